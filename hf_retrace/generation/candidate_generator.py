@@ -1,0 +1,195 @@
+"""One speculative round, top to bottom: context in, block drafted, verdict read, rejected suffix kept.
+
+transformers' assisted loop owns verification and the lossless acceptance rule; this generator only proposes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+from transformers.generation import CandidateGenerator
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from ..retrace import RejectedSuffix
+from ..stats import GenerationStats, last_stats_slot
+from .target_features import TargetTap
+
+PROPOSAL_MODES = ("argmax", "sample")
+# warpers that never change which token has the largest logit: argmax proposals can skip them
+_ARGMAX_PRESERVING = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+@dataclass
+class DraftRound:
+    """What the drafter proposed this round, kept until the target's verdict arrives."""
+
+    anchor_position: int
+    tokens: torch.Tensor  # [k] drafted tokens for positions anchor+1 .. anchor+k
+    drafter_hidden: torch.Tensor  # [k, H] the drafter's normed hidden states at those slots
+    fused: bool
+
+
+class ReTraceCandidateGenerator(CandidateGenerator):
+    """Drafts one DFlash block per round; with ReTrace, the previous round's rejected suffix is fused into it.
+
+    Built fresh by ``target.generate(..., assistant_model=drafter)`` for every call: all state (the drafter's context
+    cache, the rejected suffix, the stats) lives here and dies with the call.
+    """
+
+    def __init__(
+        self,
+        drafter: Any,
+        target: Any,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList | None,
+        proposal_mode: str = "argmax",
+    ):
+        if proposal_mode not in PROPOSAL_MODES:
+            raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}, got {proposal_mode!r}.")
+        self.drafter, self.target = drafter, target
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.block_size = drafter.config.block_size
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.sampled_proposals = self.do_sample and proposal_mode == "sample"
+        processors = list(logits_processor or [])
+        if not self.sampled_proposals:
+            processors = [p for p in processors if not isinstance(p, _ARGMAX_PRESERVING)]
+        self.logits_processor = LogitsProcessorList(processors)
+        eos = generation_config.eos_token_id
+        self.eos_token_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+        self.max_drafts = self.block_size - 1
+
+        self.tap = TargetTap(target, drafter.config.target_layer_ids, bool(generation_config.output_hidden_states))
+        self.requires_model_outputs = self.tap.uses_model_outputs
+        self.model_kwargs_overrides = self.tap.model_kwargs_overrides
+        self.use_retrace = drafter.retrace is not None and drafter.config.retrace_enabled
+        self.cache = DynamicCache()
+        self.context_length = 0  # positions whose context K/V the drafter cache holds
+        self.draft_round: DraftRound | None = None
+        self.rejected_suffix: RejectedSuffix | None = None
+        self.kept_pending: list[tuple[int, int]] = []  # (position, rejected token) awaiting the committed token
+        self.suffix_anchor = 0  # anchor of the round whose rejected suffix is kept
+        self.stats = GenerationStats()
+        last_stats_slot(drafter).set(self.stats)
+        self._verify_started = 0.0
+
+    @torch.no_grad()
+    def get_candidates(self, input_ids: torch.LongTensor, model_outputs: Any = None, **kwargs: Any):
+        """Return ``(prompt + committed + drafts, processed draft logits or None)``."""
+        if not self.tap.has_window(model_outputs):  # the prefill has not run yet: let it run undrafted
+            return input_ids, None
+        started = time.perf_counter()
+        cur_len = input_ids.shape[1]
+        anchor_position = cur_len - 1  # the newest committed token; the target has no states for it yet
+        window = self.tap.window(model_outputs).to(self.drafter.device)
+        new_rows = anchor_position - self.context_length
+        aligned = self._read_rejected_rows(window, anchor_position)
+        num_drafts = min(self.max_drafts, self.max_length - cur_len - 1)
+        if num_drafts <= 0:
+            return input_ids, None
+
+        # one non-causal drafter forward over [anchor, MASK x (B-1)], reading the newly committed context
+        block = self.drafter.block_embeddings(input_ids[:, -1].to(self.drafter.device), self.embed_tokens, aligned)
+        positions = torch.arange(self.context_length, anchor_position + self.block_size, device=block.device)
+        hidden = self.drafter(
+            target_hidden=window[:, :new_rows],
+            noise_embedding=block,
+            position_ids=positions[None],
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        self.cache.crop(-self.block_size)  # keep the context K/V, drop the block's (negative: 4.57 and 5.x)
+        self.context_length = anchor_position
+
+        drafter_hidden = hidden[:, 1 : num_drafts + 1]
+        logits = self.lm_head(drafter_hidden.to(self.lm_head.weight.device, self.lm_head.weight.dtype)).float()
+        draft_tokens, draft_logits = self._propose(input_ids, logits.to(input_ids.device))
+        draft_tokens = self._cut_after_eos(draft_tokens)
+        k = draft_tokens.shape[1]
+        self.draft_round = DraftRound(anchor_position, draft_tokens[0], drafter_hidden[0, :k], aligned is not None)
+        self.stats.draft_seconds += time.perf_counter() - started
+        self._verify_started = time.perf_counter()
+        candidates = torch.cat([input_ids, draft_tokens], dim=-1)
+        return candidates, (draft_logits[:, :k] if self.sampled_proposals else None)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: Any):
+        """Read the verdict: record the round, and keep what the target rejected beyond its correction."""
+        draft, accepted = self.draft_round, int(num_matches)
+        self.draft_round, self.rejected_suffix = None, None
+        if draft is None:
+            return
+        self.stats.verify_seconds += time.perf_counter() - self._verify_started
+        k = draft.tokens.shape[0]
+        self.stats.record_round(k, accepted, draft.fused)
+        self._score_kept_tokens(input_ids)
+        if accepted + 1 >= k:  # nothing beyond the first rejection (or all accepted): nothing to keep
+            return
+        slots = torch.arange(accepted + 2, k + 1, device=draft.tokens.device)  # 1-based slots j = n+2 .. k
+        rejected = draft.tokens[slots - 1]
+        self.stats.rounds_with_kept_suffix += 1
+        self.kept_pending += list(zip((draft.anchor_position + slots).tolist(), rejected.tolist()))
+        if not self.use_retrace:
+            return
+        target_p, target_t = scores[0, slots - 1].float().softmax(-1).max(-1)  # row j-1 predicts position s+j
+        self.suffix_anchor = draft.anchor_position
+        self.rejected_suffix = RejectedSuffix(
+            positions=(draft.anchor_position + slots)[None],
+            drafter_hidden=draft.drafter_hidden[slots - 1][None],
+            rejected_tokens=rejected[None],
+            target_tokens=target_t.to(rejected.device)[None],
+            target_probs=target_p.to(rejected.device)[None],
+            target_features=None,  # the target's tapped rows arrive with the next call's verification window
+        )
+
+    # --- pieces of the round -------------------------------------------------------------------------------------
+    def _read_rejected_rows(self, window: torch.Tensor, anchor_position: int):
+        """Complete the kept suffix with the target's tapped states at its rows; align it with the new block."""
+        suffix = self.rejected_suffix
+        if suffix is None:
+            return None
+        rows = suffix.positions[0] - self.suffix_anchor  # window row j: the target's view of rejected slot j
+        suffix.target_features = self.drafter.project_context(window[:, rows])
+        return suffix.align(anchor_position, self.block_size)
+
+    def _propose(self, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Argmax (default) or sampled proposals from the processed draft logits, one slot after another."""
+        if len(self.logits_processor) == 0 and not self.sampled_proposals:
+            return logits.argmax(-1), logits
+        ids = input_ids
+        for i in range(logits.shape[1]):
+            logits[:, i] = self.logits_processor(ids, logits[:, i])
+            if self.sampled_proposals:
+                token = torch.multinomial(logits[:, i].softmax(-1), num_samples=1)
+            else:
+                token = logits[:, i].argmax(-1, keepdim=True)
+            ids = torch.cat([ids, token], dim=-1)
+        return ids[:, input_ids.shape[1] :], logits
+
+    def _cut_after_eos(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Drafts past an end-of-sequence token can never be committed: stop the block there."""
+        if self.eos_token_ids.numel() == 0:
+            return draft_tokens
+        is_eos = torch.isin(draft_tokens[0], self.eos_token_ids.to(draft_tokens.device)).nonzero()
+        return draft_tokens[:, : int(is_eos[0]) + 1] if is_eos.numel() else draft_tokens
+
+    def _score_kept_tokens(self, input_ids: torch.Tensor) -> None:
+        committed = input_ids.shape[1]
+        still_pending = []
+        for position, token in self.kept_pending:
+            if position < committed:
+                self.stats.kept_tokens += 1
+                self.stats.kept_tokens_committed += int(input_ids[0, position].item() == token)
+            else:
+                still_pending.append((position, token))
+        self.kept_pending = still_pending

@@ -1,0 +1,171 @@
+"""The narrow hook into transformers' ``generate``: hf_retrace drafters get our candidate generator.
+
+``install()`` (run at ``import hf_retrace``) wraps two ``GenerationMixin`` methods once, chaining to whatever was
+there; both divert only when ``assistant_model`` is an hf_retrace drafter, so every other assistant keeps stock
+behaviour. Users who refuse a global patch set ``HF_RETRACE_NO_GLOBAL_PATCH=1`` and call ``attach(target)``.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from typing import Any
+
+from transformers import GenerationMixin
+from transformers.generation.configuration_utils import GenerationMode
+
+from .candidate_generator import ReTraceCandidateGenerator
+
+_WRAPPED = "_hf_retrace_wrapped"
+
+
+def is_drafter(assistant_model: Any) -> bool:
+    return getattr(type(assistant_model), "_hf_retrace_drafter", False) is True
+
+
+def check_target(drafter: Any, target: Any) -> None:
+    """Raise a ValueError saying what to do when ``drafter`` cannot draft for ``target``."""
+    text_config = target.config.get_text_config()
+    name = getattr(target.config, "_name_or_path", "") or type(target).__name__
+    dcfg = drafter.config
+    if text_config.vocab_size != dcfg.vocab_size:
+        raise ValueError(
+            f"The drafter was built for a vocabulary of {dcfg.vocab_size} tokens but the target {name} has "
+            f"{text_config.vocab_size}. A DFlash drafter borrows the target's embeddings and lm_head, so it only "
+            "works with the target (family) it was trained for: load the drafter trained for this target."
+        )
+    if text_config.hidden_size != dcfg.hidden_size:
+        raise ValueError(
+            f"The drafter's hidden size is {dcfg.hidden_size} but the target {name} has {text_config.hidden_size}. "
+            "Load the drafter trained for this target."
+        )
+    num_layers = text_config.num_hidden_layers
+    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"The drafter reads target layers {dcfg.target_layer_ids}, but the target {name} has only {num_layers} "
+            f"layers (ids {bad} are out of range). This drafter was trained for a deeper target."
+        )
+    if target.get_input_embeddings() is None or target.get_output_embeddings() is None:
+        raise ValueError(f"The target {name} must expose input embeddings and an lm_head for the drafter to borrow.")
+    if not dcfg.learned_mask_embedding and not 0 <= dcfg.mask_token_id < target.get_input_embeddings().weight.shape[0]:
+        raise ValueError(
+            f"The drafter's mask_token_id {dcfg.mask_token_id} is not a row of the target's embedding table."
+        )
+
+
+def check_generation_mode(generation_mode: Any, generation_config: Any) -> None:
+    if generation_mode != GenerationMode.ASSISTED_GENERATION:
+        raise ValueError(
+            f"hf_retrace drafters speed up greedy decoding and sampling only, but this call asks for {generation_mode} "
+            f"(num_beams={generation_config.num_beams}); transformers would silently ignore the drafter. Use "
+            "num_beams=1, or drop `assistant_model` for beam search."
+        )
+    if generation_config.num_return_sequences > 1:
+        raise ValueError(
+            f"num_return_sequences={generation_config.num_return_sequences}: speculative decoding produces one "
+            "sequence per call. Call generate once per sample (with do_sample=True), or drop `assistant_model`."
+        )
+
+
+def build_candidate_generator(
+    target: Any,
+    *,
+    assistant_model: Any,
+    generation_config: Any,
+    input_ids: Any,
+    logits_processor: Any = None,
+    model_kwargs: dict | None = None,
+    **unused: Any,
+) -> ReTraceCandidateGenerator:
+    """Check the call, then build a fresh generator (one per ``generate`` call)."""
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"hf_retrace speculative decoding runs one sequence at a time, got a batch of {input_ids.shape[0]}. "
+            "Call generate once per prompt (transformers' assisted loop supports batch size 1 only)."
+        )
+    model_kwargs = model_kwargs or {}
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        raise ValueError(
+            "generate was given a pre-filled cache: the drafter has no target hidden states for the cached prefix. "
+            "Pass the full prompt without `past_key_values`."
+        )
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("The prompt's attention_mask has padding; pass the unpadded prompt (batch size 1).")
+    check_target(assistant_model, target)
+    return ReTraceCandidateGenerator(
+        assistant_model, target, generation_config, logits_processor, proposal_mode=assistant_model.proposal_mode
+    )
+
+
+def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
+    return kwargs[name] if name in kwargs else (args[index] if len(args) > index else None)
+
+
+def _wrap_validate(original):
+    def _validate_generation_mode(self, *args, **kwargs):
+        mode_kwargs = _arg(args, kwargs, 2, "generation_mode_kwargs") or {}
+        drafter = mode_kwargs.get("assistant_model")
+        if is_drafter(drafter):
+            check_generation_mode(_arg(args, kwargs, 0, "generation_mode"), _arg(args, kwargs, 1, "generation_config"))
+            check_target(drafter, self)
+        return original(self, *args, **kwargs)
+
+    setattr(_validate_generation_mode, _WRAPPED, original)
+    return _validate_generation_mode
+
+
+def _wrap_get_candidate_generator(original):
+    def _get_candidate_generator(self, *args, **kwargs):
+        if is_drafter(kwargs.get("assistant_model")):
+            return build_candidate_generator(self, **kwargs)
+        return original(self, *args, **kwargs)
+
+    setattr(_get_candidate_generator, _WRAPPED, original)
+    return _get_candidate_generator
+
+
+_HOOKED = {"_validate_generation_mode": _wrap_validate, "_get_candidate_generator": _wrap_get_candidate_generator}
+
+
+def install() -> bool:
+    """Install the global, idempotent dispatch; returns False when disabled by ``HF_RETRACE_NO_GLOBAL_PATCH=1``."""
+    if os.environ.get("HF_RETRACE_NO_GLOBAL_PATCH", "") not in ("", "0"):
+        return False
+    for name, wrap in _HOOKED.items():
+        current = getattr(GenerationMixin, name, None)
+        if current is None:
+            raise RuntimeError(
+                f"This transformers version has no GenerationMixin.{name}; hf_retrace cannot hook into generate. "
+                "Supported: transformers 4.57.x and 5.x."
+            )
+        if not hasattr(current, _WRAPPED):
+            setattr(GenerationMixin, name, wrap(current))
+    return True
+
+
+def uninstall() -> None:
+    """Undo ``install()`` (only our own wrappers are removed)."""
+    for name in _HOOKED:
+        current = GenerationMixin.__dict__.get(name)
+        if current is not None and hasattr(current, _WRAPPED):
+            setattr(GenerationMixin, name, getattr(current, _WRAPPED))
+
+
+def attach(model: Any) -> Any:
+    """The opt-in, per-model path: only this target instance dispatches hf_retrace drafters. Returns ``model``."""
+    for name, wrap in _HOOKED.items():
+        if not hasattr(model.__dict__.get(name), _WRAPPED):
+            original = getattr(type(model), name)
+            setattr(model, name, types.MethodType(wrap(original), model))
+    return model
+
+
+def detach(model: Any) -> Any:
+    """Remove ``attach``'s per-model hooks."""
+    for name in _HOOKED:
+        if hasattr(model.__dict__.get(name), _WRAPPED):
+            delattr(model, name)
+    return model

@@ -1,0 +1,109 @@
+"""The target's tapped hidden states, taken from the verification pass itself (never an extra target forward).
+
+Two sources give the same tensors: transformers' ``requires_model_outputs`` protocol (the loop hands the last
+verification's outputs to ``get_candidates``), where the installed transformers has it, and forward hooks on the
+target's decoder layers where it does not (transformers 4.57).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from typing import Any
+
+import torch
+import transformers
+from packaging import version
+from torch import nn
+from transformers import GenerationMixin
+
+
+@functools.lru_cache(maxsize=None)
+def loop_hands_model_outputs() -> bool:
+    """Whether this transformers' assisted loop passes ``model_outputs`` to generators that ask for them."""
+    try:
+        return "requires_model_outputs" in inspect.getsource(GenerationMixin._assisted_decoding)
+    except (OSError, TypeError):  # source unavailable: fall back to hooks, which always work
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def loop_selects_hidden_state_indices() -> bool:
+    """Whether ``output_hidden_states=[i, ...]`` keeps only those layers (5.23+); older versions return every layer."""
+    return version.parse(transformers.__version__).release >= (5, 23)
+
+
+def decoder_layers(target: nn.Module) -> nn.ModuleList:
+    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
+    layers = getattr(decoder, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"Cannot find the decoder layers of {type(target).__name__} (expected `target.get_decoder().layers`)."
+        )
+    return layers
+
+
+class TargetTap:
+    """Concatenated outputs of the target layers ``target_layer_ids`` for the rows of the latest target forward.
+
+    ``hidden_states[i + 1]`` is the output of decoder layer ``i`` (index 0 is the embeddings); as in transformers'
+    own ``hidden_states``, the last layer's output is taken after the final norm.
+    """
+
+    def __init__(self, target: nn.Module, target_layer_ids: list[int], user_wants_hidden_states: bool):
+        self.target_layer_ids = list(target_layer_ids)
+        self.uses_model_outputs = loop_hands_model_outputs()
+        self._hooks: list[Any] = []
+        self._captured: dict[int, torch.Tensor] = {}
+        if self.uses_model_outputs:
+            wanted: Any = [i + 1 for i in self.target_layer_ids]
+            if user_wants_hidden_states or not loop_selects_hidden_state_indices():
+                wanted = True  # a user's own output_hidden_states=True must still get every layer
+            self.model_kwargs_overrides = {"output_hidden_states": wanted}
+        else:
+            self.model_kwargs_overrides = {}
+            self._attach_hooks(target)
+
+    def _attach_hooks(self, target: nn.Module) -> None:
+        layers = decoder_layers(target)
+        last = len(layers) - 1
+        final_norm = getattr(target.get_decoder(), "norm", None) if hasattr(target, "get_decoder") else None
+        captured = self._captured
+
+        def make_hook(layer_id: int):
+            def hook(module, args, output):
+                hidden = output[0] if isinstance(output, tuple) else output
+                if layer_id == last and final_norm is not None:
+                    hidden = final_norm(hidden)
+                captured[layer_id] = hidden.detach().clone()
+
+            return hook
+
+        for layer_id in self.target_layer_ids:
+            self._hooks.append(layers[layer_id].register_forward_hook(make_hook(layer_id)))
+        weakref.finalize(self, TargetTap._remove, list(self._hooks))
+
+    @staticmethod
+    def _remove(hooks: list[Any]) -> None:
+        for handle in hooks:
+            handle.remove()
+
+    def close(self) -> None:
+        TargetTap._remove(self._hooks)
+        self._hooks.clear()
+
+    def has_window(self, model_outputs: Any) -> bool:
+        if self.uses_model_outputs:
+            return model_outputs is not None and getattr(model_outputs, "hidden_states", None) is not None
+        return len(self._captured) == len(self.target_layer_ids)
+
+    def window(self, model_outputs: Any) -> torch.Tensor:
+        """``[1, W, n * H]``: the tapped states of every row the latest target forward computed."""
+        if self.uses_model_outputs:
+            states = model_outputs.hidden_states
+            parts = [states[i + 1] for i in self.target_layer_ids]
+        else:
+            parts = [self._captured[i] for i in self.target_layer_ids]
+        device = parts[0].device
+        return torch.cat([p.to(device) for p in parts], dim=-1)

@@ -1,0 +1,291 @@
+"""The DFlash drafter: Qwen3-style layers whose attention also reads the target's context (KV injection).
+
+One forward drafts a whole block: queries come from the block ``[anchor, MASK x (B-1)]`` only; keys and values are
+``[context ; block]`` in every layer, where the context is the target's tapped hidden states fused by ``fc`` and
+``hidden_norm``. Attention is non-causal; slot ``j`` predicts the token at position ``anchor + j``. The drafter owns
+no embedding table and no LM head: the target's are borrowed at run time and never stored in its checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
+
+from .configuration import ReTraceConfig
+from .retrace import AlignedSuffix, ReTraceFusion
+from .stats import GenerationStats, last_stats_slot
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """Plain (neox-layout) RoPE at absolute positions, shared by context keys and block queries/keys."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class DrafterAttention(nn.Module):
+    """Block queries attend to ``[context ; block]`` keys/values; context K/V come from the same projections."""
+
+    def __init__(self, config: ReTraceConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        sliding = config.layer_types[layer_idx] == "sliding_attention"
+        self.sliding_window = config.sliding_window if sliding else None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        context: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        past_key_values: Any | None,
+    ) -> torch.Tensor:
+        bsz, q_len, _ = hidden_states.shape
+        ctx_len = context.shape[1]
+        q = self.q_norm(self.q_proj(hidden_states).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        kv_input = torch.cat([context, hidden_states], dim=1)
+        k = self.k_norm(self.k_proj(kv_input).view(bsz, ctx_len + q_len, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(kv_input).view(bsz, ctx_len + q_len, self.num_kv_heads, self.head_dim)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        # cos/sin cover [new context ; block]; the queries take the block part
+        q = q * cos[:, None, -q_len:] + rotate_half(q) * sin[:, None, -q_len:]
+        k = k * cos[:, None] + rotate_half(k) * sin[:, None]
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        if self.num_kv_heads != self.num_heads:
+            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
+        if self.sliding_window is not None and attention_mask is None:
+            attention_mask = sliding_window_mask(q_len, k.shape[2], self.sliding_window, q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+def sliding_window_mask(q_len: int, kv_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Causal windowed mask for sliding layers (queries are the last ``q_len`` of the ``kv_len`` positions)."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    k_pos = torch.arange(kv_len, device=device)[None, :]
+    return (k_pos <= q_pos) & (q_pos - k_pos < window)
+
+
+class DrafterMLP(nn.Module):
+    def __init__(self, config: ReTraceConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm block; the context enters each layer's attention un-normed (no input_layernorm on it)."""
+
+    def __init__(self, config: ReTraceConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = DrafterAttention(config, layer_idx)
+        self.mlp = DrafterMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states, context, cos, sin, attention_mask, past_key_values) -> torch.Tensor:
+        attn_out = self.self_attn(
+            self.input_layernorm(hidden_states), context, cos, sin, attention_mask, past_key_values
+        )
+        hidden_states = hidden_states + attn_out
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class ReTraceDrafter(PreTrainedModel):
+    r"""A DFlash block drafter with an optional ReTrace module, used as ``assistant_model`` in ``generate``.
+
+    Example::
+
+        import hf_retrace
+        drafter = hf_retrace.ReTraceDrafter.from_pretrained("z-lab/Qwen3-8B-DFlash-b16")
+        out = target.generate(**inputs, assistant_model=drafter, max_new_tokens=256)
+        print(drafter.last_stats.mean_acceptance_length)
+    """
+
+    config_class = ReTraceConfig
+    base_model_prefix = "drafter"
+    main_input_name = "noise_embedding"
+    supports_gradient_checkpointing = False
+    _supports_sdpa = True
+    _no_split_modules = ["DrafterLayer"]
+    _hf_retrace_drafter = True  # the dispatch marker read by hf_retrace.generation.dispatch
+
+    def __init__(self, config: ReTraceConfig):
+        super().__init__(config)
+        num_features = len(config.target_layer_ids)
+        self.layers = nn.ModuleList([DrafterLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+        if config.learned_mask_embedding:
+            self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        self.retrace = ReTraceFusion(config) if config.retrace else None
+        self.post_init()
+
+    # --- weights -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = 0.02
+        if isinstance(module, nn.Linear) and getattr(module, "zero_init", False):
+            module.weight.zero_()  # ReTrace's output projection: untrained ReTrace == its DFlash backbone
+        elif isinstance(module, nn.Linear):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        elif isinstance(module, ReTraceDrafter) and getattr(module, "mask_embedding", None) is not None:
+            module.mask_embedding.normal_(mean=0.0, std=std)
+
+    def add_retrace(self) -> ReTraceFusion:
+        """Give a plain DFlash drafter an (untrained, zero-output) ReTrace module, e.g. before ReTrace training."""
+        if self.retrace is None:
+            self.config.retrace = True
+            self.retrace = ReTraceFusion(self.config).to(device=self.device, dtype=self.dtype)
+            self.retrace.apply(self._init_weights)
+        return self.retrace
+
+    @property
+    def last_stats(self) -> GenerationStats | None:
+        """Stats of the latest ``generate`` call made with this drafter in the current thread (None before any)."""
+        return last_stats_slot(self).get()
+
+    @property
+    def proposal_mode(self) -> str:
+        """Under sampling: "argmax" (default; sample-and-match) or "sample" (sampled drafts + rejection sampling)."""
+        return getattr(self.config, "proposal_mode", "argmax")
+
+    @proposal_mode.setter
+    def proposal_mode(self, mode: str) -> None:
+        if mode not in ("argmax", "sample"):
+            raise ValueError(f"proposal_mode must be 'argmax' or 'sample', got {mode!r}.")
+        self.config.proposal_mode = mode
+
+    def generate(self, *args, **kwargs):
+        raise TypeError(
+            "ReTraceDrafter drafts for a target model and cannot generate on its own. Pass it to the target instead: "
+            "`target.generate(**inputs, assistant_model=drafter)` (after `import hf_retrace`)."
+        )
+
+    # --- the DFlash pieces ---------------------------------------------------------------------------------------
+    def project_context(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """Fuse the concatenated tapped target states ``[.., n*H]`` into context features ``[.., H]``."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def block_embeddings(
+        self,
+        anchor_ids: torch.Tensor,
+        input_embeddings: nn.Module,
+        aligned_suffix: AlignedSuffix | None = None,
+    ) -> torch.Tensor:
+        """Embeddings of ``[anchor, MASK x (B-1)]`` per row of ``anchor_ids`` (shape ``[b]``), ReTrace-fused if given.
+
+        ``input_embeddings`` is the target's embedding table; slot 0 always stays the real anchor token.
+        """
+        block_size = self.config.block_size
+        anchor = input_embeddings(anchor_ids[:, None]).to(self.dtype)  # [b, 1, H]
+        mask = self.mask_vector(input_embeddings).to(anchor.device)
+        masks = mask.expand(anchor.shape[0], block_size - 1, -1)
+        if aligned_suffix is not None and self.retrace is not None and self.config.retrace_enabled:
+            masks = self.retrace(masks, aligned_suffix, input_embeddings)
+        embeds = torch.cat([anchor, masks], dim=1)
+        return embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
+
+    def mask_vector(self, input_embeddings: nn.Module) -> torch.Tensor:
+        """The MASK embedding: the drafter's own learned vector, or the target's row ``mask_token_id``."""
+        if self.config.learned_mask_embedding:
+            return self.mask_embedding
+        weight = input_embeddings.weight
+        return weight[self.config.mask_token_id].to(self.dtype)
+
+    def forward(
+        self,
+        target_hidden: torch.Tensor | None = None,
+        noise_embedding: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        past_key_values: Any | None = None,
+        use_cache: bool = False,
+        attention_mask: torch.Tensor | None = None,
+        context: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Draft one (or, in training, many) blocks; returns the block's normed hidden states ``[b, q_len, H]``.
+
+        Call-compatible with the z-lab reference drafter: ``target_hidden`` are the concatenated tapped target states
+        of the context positions not yet in ``past_key_values``; ``position_ids`` cover ``[those positions ; block]``.
+        ``context`` may be given instead of ``target_hidden`` when it is already projected. ``attention_mask`` is an
+        optional boolean ``[b, 1, q_len, kv_len]`` (True = may attend), used by training's many-block layout.
+        """
+        if noise_embedding is None:
+            raise ValueError("ReTraceDrafter.forward needs `noise_embedding` (the embedded block).")
+        hidden_states = noise_embedding.to(self.dtype)
+        if context is None:
+            if target_hidden is None:
+                raise ValueError("ReTraceDrafter.forward needs `target_hidden` (or a projected `context`).")
+            context = self.project_context(target_hidden)
+        q_len, ctx_len = hidden_states.shape[1], context.shape[1]
+        if position_ids is None:
+            past = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(past, past + ctx_len + q_len, device=hidden_states.device)[None]
+        if position_ids.dim() == 1:
+            position_ids = position_ids[None]
+        if position_ids.shape[-1] != ctx_len + q_len:
+            raise ValueError(
+                f"position_ids must cover the new context and the block ({ctx_len} + {q_len} positions), "
+                f"got {position_ids.shape[-1]}."
+            )
+        cos, sin = self.rotary_emb(position_ids, hidden_states.dtype)
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, context, cos, sin, attention_mask, past_key_values)
+        return self.norm(hidden_states)

