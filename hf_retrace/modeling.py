@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
+        hidden_states = hidden_states.to(torch.promote_types(dtype, torch.float32))
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         return self.weight * hidden_states.to(dtype)
@@ -46,11 +46,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # no buffer: loading on the meta device would leave a non-persistent buffer uninitialised
+        self.head_dim, self.theta = head_dim, theta
+        self._inv_freq: torch.Tensor | None = None
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        work = torch.promote_types(dtype, torch.float32)
+        if self._inv_freq is None or self._inv_freq.device != position_ids.device or self._inv_freq.dtype != work:
+            exponent = torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=position_ids.device) / self.head_dim
+            self._inv_freq = (1.0 / self.theta**exponent).to(work)
+        freqs = position_ids[..., None].to(work) * self._inv_freq
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -17,7 +17,7 @@ class GenerationStats:
     """
 
     rounds: int = 0
-    new_tokens: int = 0
+    new_tokens: int = 0  # every token this call committed, drafted rounds or not
     acceptance_lengths: list[int] = field(default_factory=list)
     draft_lengths: list[int] = field(default_factory=list)
     accepted_at_position: list[int] = field(default_factory=list)
@@ -61,7 +61,6 @@ class GenerationStats:
         self.rounds += 1
         self.acceptance_lengths.append(accepted + 1)
         self.draft_lengths.append(drafted)
-        self.new_tokens += accepted + 1
         self.rounds_with_fused_suffix += int(fused)
         self.round_log.append((accepted, drafted, fused))
         grow = drafted - len(self.drafted_at_position)

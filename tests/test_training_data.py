@@ -86,8 +86,10 @@ def _records_by_id(out_dir: Path) -> dict[str, dict]:
         ({"id": "a", "question": "Q", "answer": "x"}, "question", "Q"),
         ({"id": "a", "problem": "M", "solution": "x"}, "problem", "M"),
         ({"question_id": 81, "turns": ["first", "second"]}, "turns", "first"),
-        ({"id": "a", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "U"}]}, "messages", "U"),
-        ({"id": "a", "conversations": [{"from": "human", "value": "H"}, {"from": "gpt", "value": "g"}]}, "conversations", "H"),
+        ({"id": "a", "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "U"}]},
+         "messages", "U"),
+        ({"id": "a", "conversations": [{"from": "human", "value": "H"}, {"from": "gpt", "value": "g"}]},
+         "conversations", "H"),
     ],
 )
 def test_prompt_field_detection(tmp_path, record, field, expected):
@@ -222,13 +224,16 @@ def test_loss_mask_marks_exactly_the_response_tokens(tokenizer):
     eot = end_of_turn_token_id(tokenizer)
     assert tokenizer.convert_ids_to_tokens(eot) == "<|im_end|>"
     for record in RESPONSES[:2]:
-        input_ids, loss_mask = build_sequence(tokenizer, record["prompt"], record["response"], record["finish"], max_length=512)
+        input_ids, loss_mask = build_sequence(
+            tokenizer, record["prompt"], record["response"], record["finish"], max_length=512
+        )
         prompt_ids = prompt_token_ids(tokenizer, [record["prompt"]])[0]
         response_ids = tokenizer(record["response"], add_special_tokens=False)["input_ids"]
         response_ids += [eot] if record["finish"] == "eos" else []
         assert input_ids == prompt_ids + response_ids
         assert loss_mask == [0] * len(prompt_ids) + [1] * len(response_ids)
-        assert tokenizer.decode([t for t, m in zip(input_ids, loss_mask) if m], skip_special_tokens=True) == record["response"]
+        response_part = [token for token, mask in zip(input_ids, loss_mask) if mask]
+        assert tokenizer.decode(response_part, skip_special_tokens=True) == record["response"]
     assert build_sequence(tokenizer, "x", "", "length", max_length=512) is None
     cut = len(prompt_token_ids(tokenizer, ["What is 2 + 2?"])[0]) + 2
     input_ids, loss_mask = build_sequence(tokenizer, "What is 2 + 2?", "2 + 2 = 4.", "eos", max_length=cut)
@@ -244,7 +249,8 @@ def test_concatenation_equals_the_full_rendered_chat(tokenizer):
 def test_manifest_counts_and_dataset(tmp_path, tokenizer):
     source = _write_jsonl(tmp_path / "responses.jsonl", RESPONSES)
     manifest = tokenize_responses(tokenizer, [source], tmp_path / "tok", max_length=512, shard_size=2)
-    expected = [build_sequence(tokenizer, r["prompt"], r["response"], r["finish"], max_length=512) for r in RESPONSES]
+    expected = [build_sequence(tokenizer, r["prompt"], r["response"], r["finish"], max_length=512)
+                for r in RESPONSES]
     expected = [sequence for sequence in expected if sequence is not None]
     assert manifest["complete"] and len(manifest["shards"]) == 2
     assert manifest["num_sequences"] == len(expected) == 3 and manifest["num_skipped"] == 1

@@ -51,11 +51,13 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         target: Any,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None,
+        prompt_length: int,
         proposal_mode: str = "argmax",
     ):
         if proposal_mode not in PROPOSAL_MODES:
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}, got {proposal_mode!r}.")
         self.drafter, self.target = drafter, target
+        self.prompt_length = prompt_length
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.block_size = drafter.config.block_size
@@ -127,6 +129,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         """Read the verdict: record the round, and keep what the target rejected beyond its correction."""
         draft, accepted = self.draft_round, int(num_matches)
         self.draft_round, self.rejected_suffix = None, None
+        self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
         if draft is None:
             return
         self.stats.verify_seconds += time.perf_counter() - self._verify_started

@@ -96,7 +96,12 @@ def build_candidate_generator(
         raise ValueError("The prompt's attention_mask has padding; pass the unpadded prompt (batch size 1).")
     check_target(assistant_model, target)
     return ReTraceCandidateGenerator(
-        assistant_model, target, generation_config, logits_processor, proposal_mode=assistant_model.proposal_mode
+        assistant_model,
+        target,
+        generation_config,
+        logits_processor,
+        prompt_length=input_ids.shape[1],
+        proposal_mode=assistant_model.proposal_mode,
     )
 
 

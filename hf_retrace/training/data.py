@@ -36,7 +36,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 PROMPT_FIELDS: tuple[str, ...] = ("prompt", "question", "problem", "turns", "messages", "conversations")
-"""Fields a prompt record may carry, in order of preference (``turns``/``messages``/``conversations``: first user turn)."""
+"""Fields a prompt record may carry, in order of preference (``turns``/``messages``/``conversations``: first user
+turn)."""
 
 ID_FIELDS: tuple[str, ...] = ("id", "question_id", "task_id", "unique_id")
 RESPONSE_FIELDS: tuple[str, ...] = ("id", "prompt", "response", "finish", "response_tokens")
@@ -423,8 +424,8 @@ def generate_responses(
 
     Each record is ``{id, prompt, response, finish, response_tokens, response_ids}`` (``finish`` is ``"eos"`` or
     ``"length"``; ``response_tokens`` counts the response's tokens, the eos excluded; ``response_ids`` are the exact
-    tokens generated, which decoding and re-tokenizing does not always give back). Prompts are sorted by length and cut into
-    fixed batches (left-padded); ids already present in ``out_dir`` are skipped, so a killed run is resumed by
+    tokens generated, which decoding and re-tokenizing does not always give back). Prompts are sorted by length and
+    cut into fixed batches (left-padded); ids already present in ``out_dir`` are skipped, so a killed run is resumed by
     calling again with the same arguments and loses at most one batch. Batch ``k`` of the plan samples with seed
     ``seed + k``, so a resumed sampled run equals an uninterrupted one. Prompts over ``max_prompt_tokens`` tokens
     are skipped.
@@ -621,7 +622,8 @@ def tokenize_responses(
     """Turn response records into training sequences stored as memory-mappable shards; return the manifest.
 
     Inputs are JSONL files or directories written by :func:`generate_responses` (records ``{id, prompt, response,
-    finish}``; a record's ``response_ids``, when present, are used instead of re-tokenizing ``response``). Shard ``k`` holds the sequences of source records ``k*shard_size ... (k+1)*shard_size - 1``:
+    finish}``; a record's ``response_ids``, when present, are used instead of re-tokenizing ``response``). Shard
+    ``k`` holds the sequences of source records ``k*shard_size ... (k+1)*shard_size - 1``:
     ``shard-0000k.input_ids.npy`` (int32, flat), ``.loss_mask.npy`` (uint8, flat), ``.offsets.npy`` (int64,
     ``num_sequences + 1``) and ``.ids.json``. ``manifest.json`` holds the settings, the per-shard counts and the
     totals; it is rewritten after each shard, so a second call resumes after the last complete shard, and returns

@@ -1,0 +1,249 @@
+"""The DFlash training objective: many randomly anchored blocks per sequence, one drafter forward, decayed CE.
+
+For each sequence, ``num_anchors`` anchors are drawn among its response positions. Anchor ``a`` spawns the block
+``[token@a, MASK x (B-1)]`` at positions ``a .. a+B-1``. All blocks of a sequence go through ONE drafter forward whose
+keys are ``[context (T positions) ; all blocks]``; the boolean attention mask lets a block's queries see the target
+context at positions strictly before its anchor and the B slots of its own block, nothing else. The mask is built from
+anchor *positions* (not block indices, the SpecForge leak bug): blocks of nearby anchors overlap in positions and must
+never see each other, nor context at or after their own anchor.
+
+Slot ``k`` (1..B-1) predicts the token at ``a + k``; its cross-entropy is weighted by ``exp(-(k-1)/gamma)`` and the
+loss is normalised by the sum of weights of the valid slots. The target (embeddings, ``lm_head``, hidden states) is
+frozen and never stored in the drafter.
+
+Example::
+
+    objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings())
+    loss, metrics = objective({"input_ids": ids, "loss_mask": mask, "attention_mask": am, "target_hidden": feats})
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "DFlashObjective",
+    "build_block_attention_mask",
+    "decay_weights",
+    "sample_anchors",
+    "valid_anchor_positions",
+]
+
+
+def valid_anchor_positions(loss_mask: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """``[b, T]`` bool: response positions ``p`` with ``p + 1 < len`` (so slot 1 has a label)."""
+    b, t = loss_mask.shape
+    pos = torch.arange(t, device=loss_mask.device)[None, :]
+    return loss_mask.bool() & (pos + 1 < lengths[:, None])
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw up to ``num_anchors`` distinct anchors per sequence among the valid positions, sorted.
+
+    Returns ``(anchors [b, N] long, anchor_valid [b, N] bool)``; padded anchors (sequences with fewer valid
+    positions than ``N``) are set to 0 and marked invalid. Uses ``generator`` (CPU) for reproducibility.
+    """
+    valid = valid_anchor_positions(loss_mask, lengths).cpu()
+    b, t = valid.shape
+    # random keys; invalid positions get +inf so that the N smallest keys are a uniform sample of the valid ones
+    keys = torch.rand(b, t, generator=generator)
+    keys = keys.masked_fill(~valid, float("inf"))
+    n = min(num_anchors, t)
+    order = keys.argsort(dim=1)[:, :n]
+    chosen_valid = torch.gather(valid, 1, order)
+    anchors = torch.where(chosen_valid, order, torch.full_like(order, t + 1))  # invalid ones sort last
+    anchors, _ = anchors.sort(dim=1)
+    anchor_valid = anchors <= t
+    anchors = anchors.masked_fill(~anchor_valid, 0)
+    if n < num_anchors:  # shorter than N positions in total: pad to a fixed N
+        pad = num_anchors - n
+        anchors = torch.cat([anchors, anchors.new_zeros(b, pad)], dim=1)
+        anchor_valid = torch.cat([anchor_valid, anchor_valid.new_zeros(b, pad)], dim=1)
+    return anchors.to(loss_mask.device), anchor_valid.to(loss_mask.device)
+
+
+def build_block_attention_mask(
+    anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length: int, block_size: int
+) -> torch.Tensor:
+    """``[b, 1, N*B, T + N*B]`` bool (True = attend) for the many-block layout.
+
+    A query of block ``j`` sees context key ``t`` iff ``t < anchors[j]`` (strictly before its anchor; derived from the
+    anchor POSITION) and block key ``i`` iff ``i == j`` (its own B slots, bidirectional). A padded (invalid) block
+    sees only its own slots, so no row is empty (no NaN) and it never touches real blocks.
+    """
+    b, n = anchors.shape
+    device = anchors.device
+    ctx_pos = torch.arange(context_length, device=device)
+    # [b, N, T]: context visibility per block, then repeated over the block's B query slots
+    ctx_visible = (ctx_pos[None, None, :] < anchors[:, :, None]) & anchor_valid[:, :, None]
+    ctx_visible = ctx_visible.repeat_interleave(block_size, dim=1)  # [b, N*B, T]
+    block_id = torch.arange(n, device=device).repeat_interleave(block_size)  # [N*B]
+    same_block = (block_id[:, None] == block_id[None, :])[None].expand(b, -1, -1)  # [b, N*B, N*B]
+    return torch.cat([ctx_visible, same_block], dim=-1)[:, None]
+
+
+def decay_weights(block_size: int, gamma: float | None, device=None) -> torch.Tensor:
+    """``[B-1]`` weights ``exp(-(k-1)/gamma)`` for slots ``k = 1..B-1`` (all ones when ``gamma`` is None/<=0)."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    if gamma is None or gamma <= 0:
+        return torch.ones_like(k)
+    return torch.exp(-(k - 1) / gamma)
+
+
+class _Frozen:
+    """Holds the target's modules without registering them (never trained, never saved with the drafter)."""
+
+    def __init__(self, **modules: Any):
+        self.__dict__.update(modules)
+
+
+class DFlashObjective(nn.Module):
+    """``forward(batch) -> (loss, metrics)`` for the DFlash backbone stage; wraps the drafter so DDP sees one module.
+
+    ``batch`` holds ``input_ids [b, T]``, ``loss_mask [b, T]``, ``attention_mask [b, T]`` (1 on real tokens; padding
+    on the right) and ``target_hidden [b, T, n*H]`` (the concatenated tapped target states, computed online or read
+    from disk; see :mod:`hf_retrace.training.features`). Optional ``anchors``/``anchor_valid`` override sampling
+    (tests); otherwise anchors are drawn with ``batch["anchor_generator"]`` or the global RNG.
+
+    ``metrics`` (detached floats/tensors): ``loss``, ``acc`` (slot-1..B-1 top-1 accuracy, weighted equally),
+    ``acc_slot`` ``[B-1]`` per-slot accuracy, ``num_blocks``, ``num_labels`` and ``slot_counts`` ``[B-1]``.
+    """
+
+    def __init__(
+        self,
+        drafter: nn.Module,
+        input_embeddings: nn.Module,
+        lm_head: nn.Module,
+        num_anchors: int = 32,
+        gamma: float | None = 7.0,
+    ):
+        super().__init__()
+        self.drafter = drafter
+        self.num_anchors = int(num_anchors)
+        self.gamma = gamma
+        for module in (input_embeddings, lm_head):
+            for p in module.parameters():
+                p.requires_grad_(False)
+        self.frozen = _Frozen(input_embeddings=input_embeddings, lm_head=lm_head)
+        self._lm_head_cache: dict[tuple, torch.Tensor] = {}
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.config.block_size
+
+    def _lm_head_weight(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        head = self.frozen.lm_head
+        weight, bias = head.weight, getattr(head, "bias", None)
+        key = (dtype, device, weight.data_ptr())
+        if weight.dtype == dtype and weight.device == device:
+            return weight, bias
+        if key not in self._lm_head_cache:
+            self._lm_head_cache.clear()
+            self._lm_head_cache[key] = weight.detach().to(device=device, dtype=dtype)
+        return self._lm_head_cache[key], None if bias is None else bias.detach().to(device=device, dtype=dtype)
+
+    def block_inputs(
+        self, input_ids: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(noise_embedding [b, N*B, H], position_ids [b, T + N*B], attention_mask [b, 1, N*B, T + N*B])``."""
+        b, n = anchors.shape
+        block_size = self.block_size
+        anchor_ids = torch.gather(input_ids, 1, anchors)  # [b, N]
+        embeds = self.drafter.block_embeddings(anchor_ids.reshape(-1), self.frozen.input_embeddings)
+        embeds = embeds.reshape(b, n * block_size, -1)
+        offsets = torch.arange(block_size, device=anchors.device)
+        block_pos = (anchors[:, :, None] + offsets).reshape(b, n * block_size)
+        ctx_pos = torch.arange(context_length, device=anchors.device)[None].expand(b, -1)
+        position_ids = torch.cat([ctx_pos, block_pos], dim=1)
+        mask = build_block_attention_mask(anchors, anchor_valid, context_length, block_size)
+        return embeds, position_ids, mask
+
+    def labels(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
+        anchors: torch.Tensor, anchor_valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(labels [b, N, B-1], valid [b, N, B-1])``: token at ``anchor + k`` where it is a response position."""
+        t = input_ids.shape[1]
+        k = torch.arange(1, self.block_size, device=anchors.device)
+        pos = anchors[:, :, None] + k  # [b, N, B-1]
+        inside = pos < lengths[:, None, None]
+        pos_c = pos.clamp(max=t - 1)
+        flat = pos_c.reshape(pos.shape[0], -1)
+        labels = torch.gather(input_ids, 1, flat).reshape(pos.shape)
+        supervised = torch.gather(loss_mask.bool(), 1, flat).reshape(pos.shape)
+        valid = inside & supervised & anchor_valid[:, :, None]
+        return labels, valid
+
+    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
+        input_ids = batch["input_ids"]
+        loss_mask = batch["loss_mask"]
+        attention_mask = batch.get("attention_mask")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        lengths = attention_mask.long().sum(dim=1)
+        target_hidden = batch["target_hidden"]
+        b, t = input_ids.shape
+        if "anchors" in batch:
+            anchors, anchor_valid = batch["anchors"], batch["anchor_valid"]
+        else:
+            anchors, anchor_valid = sample_anchors(
+                loss_mask, lengths, self.num_anchors, batch.get("anchor_generator")
+            )
+        block_size = self.block_size
+        n = anchors.shape[1]
+
+        embeds, position_ids, mask = self.block_inputs(input_ids, anchors, anchor_valid, t)
+        hidden = self.drafter(
+            target_hidden=target_hidden, noise_embedding=embeds, position_ids=position_ids, attention_mask=mask
+        )  # [b, N*B, H]
+        hidden = hidden.reshape(b, n, block_size, -1)[:, :, 1:]  # slots 1..B-1
+        labels, valid = self.labels(input_ids, loss_mask, lengths, anchors, anchor_valid)
+
+        weights = decay_weights(block_size, self.gamma, device=hidden.device)  # [B-1]
+        rows = hidden[valid]  # only valid slots go through the (large) lm_head
+        weight, bias = self._lm_head_weight(rows.dtype, rows.device)
+        logits = F.linear(rows, weight, bias).float()
+        ce = F.cross_entropy(logits, labels[valid], reduction="none")
+        slot_index = torch.arange(block_size - 1, device=hidden.device).expand_as(valid)[valid]
+        w = weights[slot_index]
+        denom = w.sum()
+        loss = (ce * w).sum() / denom.clamp_min(1e-8)
+        if rows.shape[0] == 0:  # keep the graph connected (DDP) when nothing is supervised
+            loss = hidden.sum() * 0.0
+
+        with torch.no_grad():
+            correct = (logits.argmax(-1) == labels[valid]).float()
+            slot_counts = torch.bincount(slot_index, minlength=block_size - 1).float()
+            slot_correct = torch.bincount(slot_index, weights=correct, minlength=block_size - 1)
+            acc_slot = slot_correct / slot_counts.clamp_min(1)
+            # expected accepted length under teacher forcing: sum_k prod_{j<=k} acc_j (a quick tau proxy)
+            metrics = {
+                "loss": loss.detach(),
+                "acc": correct.mean() if correct.numel() else correct.new_zeros(()),
+                "acc_slot": acc_slot,
+                "slot_correct": slot_correct,
+                "slot_counts": slot_counts,
+                "num_blocks": anchor_valid.sum(),
+                "num_labels": valid.sum(),
+                "num_tokens": lengths.sum(),
+            }
+        return loss, metrics
+
+
+def tau_proxy(acc_slot: torch.Tensor) -> float:
+    """``1 + sum_k prod_{j<=k} acc_j``: the acceptance length if slot errors were independent (a cheap log)."""
+    prod, total = 1.0, 1.0
+    for a in acc_slot.tolist():
+        prod *= a
+        total += prod
+    return total if math.isfinite(total) else float("nan")

@@ -1,0 +1,156 @@
+"""Tiny random targets and drafters built in the test, and controlled proposal policies."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import hf_retrace
+from hf_retrace import ReTraceConfig, ReTraceDrafter
+from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
+
+torch.set_num_threads(2)
+
+
+def tiny_target(
+    family: str = "qwen3",
+    vocab_size: int = 96,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float64,
+    logit_scale: float = 1.0,
+):
+    """A random tiny decoder LM; ``logit_scale`` sharpens its distribution (fewer near-uniform choices)."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    torch.manual_seed(seed)
+    config = Qwen3Config(**common) if family == "qwen3" else LlamaConfig(**common)
+    model = (Qwen3ForCausalLM if family == "qwen3" else LlamaForCausalLM)(config)
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.eval().to(dtype)
+
+
+def tiny_drafter(
+    target,
+    block_size: int = 6,
+    target_layer_ids: list[int] | None = None,
+    num_layers: int = 1,
+    seed: int = 1,
+    retrace: str | None = None,
+    learned_mask_embedding: bool = False,
+    dtype: torch.dtype | None = None,
+) -> ReTraceDrafter:
+    """A random drafter for ``target``.
+
+    ``retrace``: None (plain DFlash), "untrained" (ReTrace on, zero output projection), "random" (ReTrace on with a
+    non-zero output projection, so the fused suffix really changes the drafts).
+    """
+    tcfg = target.config
+    num_target_layers = tcfg.num_hidden_layers
+    config = ReTraceConfig(
+        vocab_size=tcfg.vocab_size,
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=tcfg.num_attention_heads,
+        num_key_value_heads=tcfg.num_key_value_heads,
+        head_dim=tcfg.head_dim,
+        block_size=block_size,
+        mask_token_id=None if learned_mask_embedding else tcfg.vocab_size - 1,
+        learned_mask_embedding=learned_mask_embedding,
+        target_layer_ids=target_layer_ids or [0, num_target_layers - 2],
+        num_target_layers=num_target_layers,
+        retrace=retrace is not None,
+        retrace_trained=retrace == "random",
+        use_retrace=True if retrace is not None else None,
+    )
+    torch.manual_seed(seed)
+    drafter = ReTraceDrafter(config).eval()
+    if retrace == "random":
+        with torch.no_grad():
+            drafter.retrace.output_projection.weight.normal_(0, 0.5)
+    return drafter.to(dtype or target.dtype)
+
+
+class ProposalPolicy:
+    """Replaces the drafter's proposals with tokens of a known continuation, corrupted on purpose.
+
+    ``mode``: "all" (every draft right), "none" (every draft wrong), "partial" (right up to a random slot).
+    Used to build drafters that accept everything, nothing, or part of each block.
+    """
+
+    def __init__(self, reference: torch.Tensor, mode: str, vocab_size: int, seed: int = 0):
+        self.reference, self.mode, self.vocab_size = reference[0], mode, vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, input_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        start = input_ids.shape[1]
+        right = self.reference[start : start + num_drafts]
+        filler = torch.randint(0, self.vocab_size, (num_drafts,), generator=self.generator)
+        tokens = torch.cat([right, filler[len(right) :]])
+        wrong = (tokens + 1 + torch.randint(0, self.vocab_size - 1, (num_drafts,), generator=self.generator)) % (
+            self.vocab_size
+        )
+        if self.mode == "none":
+            tokens = wrong
+        elif self.mode == "partial":
+            cut = int(torch.randint(0, num_drafts + 1, (1,), generator=self.generator))
+            tokens = torch.cat([tokens[:cut], wrong[cut:]])
+        return tokens[None]
+
+
+@pytest.fixture
+def use_policy(monkeypatch):
+    """Install a ProposalPolicy on every ReTraceCandidateGenerator created during the test."""
+
+    def install(policy: ProposalPolicy):
+        original = ReTraceCandidateGenerator._propose
+
+        def propose(self, input_ids, logits):
+            tokens, processed = original(self, input_ids, logits)
+            return policy(input_ids, tokens.shape[1]).to(tokens.device), processed
+
+        monkeypatch.setattr(ReTraceCandidateGenerator, "_propose", propose)
+
+    return install
+
+
+@pytest.fixture
+def count_forwards():
+    """Count calls of a module's forward: ``counter = count_forwards(model)``, then ``counter["n"]``."""
+    handles = []
+
+    def attach(module):
+        counter = {"n": 0}
+        handles.append(module.register_forward_pre_hook(lambda *_: counter.__setitem__("n", counter["n"] + 1)))
+        return counter
+
+    yield attach
+    for handle in handles:
+        handle.remove()
+
+
+__all__ = ["ProposalPolicy", "hf_retrace", "tiny_drafter", "tiny_target"]
