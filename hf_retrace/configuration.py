@@ -29,7 +29,10 @@ class ReTraceConfig(PretrainedConfig):
     the target's hidden states at ``target_layer_ids`` and drafts ``block_size - 1`` tokens per forward from the block
     ``[anchor, MASK x (block_size - 1)]``. ``vocab_size`` and ``hidden_size`` must equal the target's: the drafter
     borrows the target's embedding table and ``lm_head``. ``mask_token_id`` is a row of the target's embedding table,
-    or ``None`` with ``learned_mask_embedding=True`` (the drafter then owns a mask vector).
+    or ``None`` with ``learned_mask_embedding=True`` (the drafter then owns a mask vector). ``draft_vocab_size``
+    (optional, ours) restricts drafting to that many token ids (the buffer ``draft_vocab``, e.g. the tokens of the
+    training responses): the target's ``lm_head`` rows for them are all the drafter scores, which makes a drafting
+    round cheaper on small targets. Tokens outside it are never drafted; the target still produces them.
 
     ReTrace fields: ``retrace`` says whether the rejected-suffix fusion module exists in this drafter,
     ``retrace_trained`` whether its weights were trained, ``use_retrace`` turns it on or off at run time (``None``:
@@ -66,6 +69,7 @@ class ReTraceConfig(PretrainedConfig):
         num_target_layers: int | None = None,
         learned_mask_embedding: bool = False,
         input_embedding_scale: float = 1.0,
+        draft_vocab_size: int | None = None,
         retrace: bool = True,
         retrace_trained: bool = False,
         use_retrace: bool | None = None,
@@ -115,6 +119,7 @@ class ReTraceConfig(PretrainedConfig):
         self.num_target_layers = num_target_layers
         self.learned_mask_embedding = learned_mask_embedding
         self.input_embedding_scale = float(input_embedding_scale)
+        self.draft_vocab_size = draft_vocab_size
         self.retrace = bool(retrace)
         self.retrace_trained = bool(retrace_trained)
         self.use_retrace = use_retrace

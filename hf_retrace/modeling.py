@@ -175,6 +175,10 @@ class ReTraceDrafter(PreTrainedModel):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
         if config.learned_mask_embedding:
             self.mask_embedding = nn.Parameter(torch.zeros(config.hidden_size))
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
+        else:
+            self.draft_vocab = None
         self.retrace = ReTraceFusion(config) if config.retrace else None
         self.post_init()
 
@@ -246,6 +250,21 @@ class ReTraceDrafter(PreTrainedModel):
             masks = self.retrace(masks, aligned_suffix, input_embeddings)
         embeds = torch.cat([anchor, masks], dim=1)
         return embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
+
+    def draft_head_weight(self, lm_head: nn.Module) -> torch.Tensor:
+        """The target ``lm_head`` rows the drafter scores: all of them, or those of ``draft_vocab``."""
+        weight = lm_head.weight
+        return weight if self.draft_vocab is None else weight[self.draft_vocab.to(weight.device)]
+
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """Restrict drafting to ``token_ids`` (e.g. the most frequent tokens of the training responses)."""
+        token_ids = torch.as_tensor(token_ids, dtype=torch.long).unique(sorted=True)
+        self.config.draft_vocab_size = int(token_ids.numel())
+        if "draft_vocab" in self._buffers:
+            del self._buffers["draft_vocab"]
+        elif hasattr(self, "draft_vocab"):
+            del self.draft_vocab
+        self.register_buffer("draft_vocab", token_ids.to(self.device))
 
     def mask_vector(self, input_embeddings: nn.Module) -> torch.Tensor:
         """The MASK embedding: the drafter's own learned vector, or the target's row ``mask_token_id``."""

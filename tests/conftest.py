@@ -62,6 +62,7 @@ def tiny_drafter(
     retrace: str | None = None,
     learned_mask_embedding: bool = False,
     dtype: torch.dtype | None = None,
+    draft_vocab_size: int | None = None,
 ) -> ReTraceDrafter:
     """A random drafter for ``target``.
 
@@ -92,6 +93,8 @@ def tiny_drafter(
     if retrace == "random":
         with torch.no_grad():
             drafter.retrace.output_projection.weight.normal_(0, 0.5)
+    if draft_vocab_size:
+        drafter.set_draft_vocab(torch.randperm(tcfg.vocab_size)[:draft_vocab_size])
     return drafter.to(dtype or target.dtype)
 
 

@@ -32,6 +32,7 @@ def _case(index: int) -> dict:
         policy=rng.choice(["drafter", "all", "none", "partial"]),
         retrace=rng.choice([None, "untrained", "random"]),
         eos_inside=rng.random() < 0.3,
+        draft_vocab_size=rng.choice([None, None, 48]),
         seed=index,
     )
 
@@ -56,6 +57,7 @@ def test_greedy_output_equals_plain_greedy(index, use_policy):
         block_size=case["block_size"],
         retrace=None if case["retrace"] is None else case["retrace"],
         seed=case["seed"],
+        draft_vocab_size=case["draft_vocab_size"],
     )
     if case["policy"] != "drafter":
         use_policy(ProposalPolicy(reference, case["policy"], target.config.vocab_size, seed=case["seed"]))
@@ -82,3 +84,4 @@ def test_cases_cover_the_required_shapes():
     assert any(c["max_new_tokens"] == c["block_size"] for c in cases)
     assert any(c["max_new_tokens"] == c["block_size"] + 1 for c in cases)
     assert {c["family"] for c in cases} == {"qwen3", "llama"}
+    assert sum(c["draft_vocab_size"] is not None for c in cases) >= 30

@@ -60,6 +60,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.prompt_length = prompt_length
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
+        self.draft_head = drafter.draft_head_weight(self.lm_head)  # sliced once per call, not per round
+        self.draft_vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.to(self.draft_head.device)
+        self.vocab_size = self.lm_head.weight.shape[0]
         self.block_size = drafter.config.block_size
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
@@ -115,8 +118,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.context_length = anchor_position
 
         drafter_hidden = hidden[:, 1 : num_drafts + 1]
-        logits = self.lm_head(drafter_hidden.to(self.lm_head.weight.device, self.lm_head.weight.dtype)).float()
-        draft_tokens, draft_logits = self._propose(input_ids, logits.to(input_ids.device))
+        draft_tokens, draft_logits = self._propose(input_ids, self._draft_logits(drafter_hidden))
         draft_tokens = self._cut_after_eos(draft_tokens)
         k = draft_tokens.shape[1]
         self.draft_round = DraftRound(anchor_position, draft_tokens[0], drafter_hidden[0, :k], aligned is not None)
@@ -165,10 +167,25 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         suffix.target_features = self.drafter.project_context(window[:, rows])
         return suffix.align(anchor_position, self.block_size)
 
+    def _draft_logits(self, drafter_hidden: torch.Tensor) -> torch.Tensor:
+        """``[1, k, Vd]`` scores over the draft vocabulary (the whole vocabulary when the drafter has none)."""
+        head = self.draft_head
+        return torch.nn.functional.linear(drafter_hidden.to(head.device, head.dtype), head).float()
+
+    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Scores over the target's vocabulary; tokens outside the draft vocabulary get -inf (never proposed)."""
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab, logits)
+
     def _propose(self, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Argmax (default) or sampled proposals from the processed draft logits, one slot after another."""
+        logits = logits.to(input_ids.device)
         if len(self.logits_processor) == 0 and not self.sampled_proposals:
-            return logits.argmax(-1), logits
+            best = logits.argmax(-1)
+            return (best if self.draft_vocab is None else self.draft_vocab[best].to(best.device)), logits
+        logits = self._full_vocab(logits)
         ids = input_ids
         for i in range(logits.shape[1]):
             logits[:, i] = self.logits_processor(ids, logits[:, i])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from typing import Any
 
@@ -70,9 +71,12 @@ class TargetTap:
         last = len(layers) - 1
         final_norm = getattr(target.get_decoder(), "norm", None) if hasattr(target, "get_decoder") else None
         captured = self._captured
+        owner = threading.get_ident()  # the generate call's thread: another thread's forwards are not ours
 
         def make_hook(layer_id: int):
             def hook(module, args, output):
+                if threading.get_ident() != owner:
+                    return
                 hidden = output[0] if isinstance(output, tuple) else output
                 if layer_id == last and final_norm is not None:
                     hidden = final_norm(hidden)

@@ -31,6 +31,7 @@ __all__ = [
     "build_block_attention_mask",
     "decay_weights",
     "sample_anchors",
+    "tau_proxy",
     "valid_anchor_positions",
 ]
 
@@ -142,24 +143,46 @@ class DFlashObjective(nn.Module):
         return self.drafter.config.block_size
 
     def _lm_head_weight(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frozen ``lm_head`` rows the drafter scores (its draft vocabulary, or all), cached in ``dtype``."""
         head = self.frozen.lm_head
         weight, bias = head.weight, getattr(head, "bias", None)
-        key = (dtype, device, weight.data_ptr())
-        if weight.dtype == dtype and weight.device == device:
+        vocab = self.drafter.draft_vocab
+        if vocab is not None and bias is not None:
+            bias = bias[vocab.to(bias.device)]
+        if vocab is None and weight.dtype == dtype and weight.device == device:
             return weight, bias
+        key = (dtype, device, weight.data_ptr(), None if vocab is None else vocab.numel())
         if key not in self._lm_head_cache:
             self._lm_head_cache.clear()
-            self._lm_head_cache[key] = weight.detach().to(device=device, dtype=dtype)
+            self._lm_head_cache[key] = self.drafter.draft_head_weight(head).detach().to(device=device, dtype=dtype)
         return self._lm_head_cache[key], None if bias is None else bias.detach().to(device=device, dtype=dtype)
 
+    def draft_index(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(index into the scored rows, in_vocab)`` for target token ids (identity without a draft vocabulary)."""
+        vocab = self.drafter.draft_vocab
+        if vocab is None:
+            return token_ids, torch.ones_like(token_ids, dtype=torch.bool)
+        lookup = torch.full((self.frozen.lm_head.weight.shape[0],), -1, dtype=torch.long, device=token_ids.device)
+        lookup[vocab.to(token_ids.device)] = torch.arange(vocab.numel(), device=token_ids.device)
+        index = lookup[token_ids]
+        return index.clamp_min(0), index >= 0
+
     def block_inputs(
-        self, input_ids: torch.Tensor, anchors: torch.Tensor, anchor_valid: torch.Tensor, context_length: int
+        self,
+        input_ids: torch.Tensor,
+        anchors: torch.Tensor,
+        anchor_valid: torch.Tensor,
+        context_length: int,
+        aligned_suffix: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(noise_embedding [b, N*B, H], position_ids [b, T + N*B], attention_mask [b, 1, N*B, T + N*B])``."""
+        """``(noise_embedding [b, N*B, H], position_ids [b, T + N*B], attention_mask [b, 1, N*B, T + N*B])``.
+
+        ``aligned_suffix`` (the ReTrace stage): an :class:`~hf_retrace.retrace.AlignedSuffix` with ``b*N`` rows.
+        """
         b, n = anchors.shape
         block_size = self.block_size
         anchor_ids = torch.gather(input_ids, 1, anchors)  # [b, N]
-        embeds = self.drafter.block_embeddings(anchor_ids.reshape(-1), self.frozen.input_embeddings)
+        embeds = self.drafter.block_embeddings(anchor_ids.reshape(-1), self.frozen.input_embeddings, aligned_suffix)
         embeds = embeds.reshape(b, n * block_size, -1)
         offsets = torch.arange(block_size, device=anchors.device)
         block_pos = (anchors[:, :, None] + offsets).reshape(b, n * block_size)
@@ -202,12 +225,16 @@ class DFlashObjective(nn.Module):
         block_size = self.block_size
         n = anchors.shape[1]
 
-        embeds, position_ids, mask = self.block_inputs(input_ids, anchors, anchor_valid, t)
+        embeds, position_ids, mask = self.block_inputs(
+            input_ids, anchors, anchor_valid, t, batch.get("aligned_suffix")
+        )
         hidden = self.drafter(
             target_hidden=target_hidden, noise_embedding=embeds, position_ids=position_ids, attention_mask=mask
         )  # [b, N*B, H]
         hidden = hidden.reshape(b, n, block_size, -1)[:, :, 1:]  # slots 1..B-1
         labels, valid = self.labels(input_ids, loss_mask, lengths, anchors, anchor_valid)
+        labels, in_vocab = self.draft_index(labels)
+        valid = valid & in_vocab  # tokens outside the draft vocabulary are never drafted: no loss for them
 
         weights = decay_weights(block_size, self.gamma, device=hidden.device)  # [B-1]
         rows = hidden[valid]  # only valid slots go through the (large) lm_head

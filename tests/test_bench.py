@@ -1,0 +1,289 @@
+"""``hf-retrace bench`` on tiny models saved to tmp folders: schema, fp32 losslessness, divergence detection,
+input errors before any model load, Markdown/PNG output, and the CLI end to end."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+import types
+
+import pytest
+import torch
+from conftest import tiny_drafter, tiny_target
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from hf_retrace import cli
+from hf_retrace.bench import runner
+from hf_retrace.bench.native import build_native_assistant, convert_state_dict
+from hf_retrace.bench.report import markdown_report, write_markdown, write_plots
+from hf_retrace.bench.runner import ALL_METHODS, BenchInputError, BenchSpec, find_divergence, plan_benchmark
+
+VOCAB = 96
+SPECIALS = ["[UNK]", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+ROW_FIELDS = (
+    "dataset", "method", "temperature", "prompts", "requests", "new_tokens", "decode_tokens", "generate_seconds",
+    "prefill_seconds", "decode_seconds", "decode_seconds_per_token", "tokens_per_second", "speedup", "tau",
+    "tau_per_request", "tau_per_round", "rounds", "per_position_acceptance", "acceptance_length_histogram",
+    "draft_cost_c", "verify_cost_epsilon", "ideal_speedup", "speedup_over_ideal", "kept_suffix_rate",
+    "kept_token_commit_rate", "mismatches", "mismatch_bugs", "mismatch_near_ties", "compared_requests",
+    "uncompared_requests", "divergences", "per_request",
+)
+
+
+def word_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer whose vocabulary is exactly the tiny target's (every id decodes)."""
+    words = SPECIALS + "the a of to and is in it you that he was for on are with as I his they be at one have " \
+        "this from or had by hot word but what some we can out other were all there when up use your how said an " \
+        "each she which do their time if will way about many then them write would like so these her long make " \
+        "thing see him two has look more day could go come did number sound no most people my".split()
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    assert len(words) == VOCAB
+    model = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    model.pre_tokenizer = pre_tokenizers.Whitespace()
+    model.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]", chat_template=CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """Folders: a tiny Llama target with its tokenizer, a drafter with a (random, trained-flagged) ReTrace module,
+    a drafter without ReTrace, a drafter for another target, and a multi-turn JSONL."""
+    root = tmp_path_factory.mktemp("bench")
+    target = tiny_target(family="llama", vocab_size=VOCAB, dtype=torch.float32, logit_scale=4.0)
+    target.save_pretrained(root / "target")
+    word_level_tokenizer().save_pretrained(root / "target")
+    tiny_drafter(target, block_size=6, retrace="random").save_pretrained(root / "drafter")
+    tiny_drafter(target, block_size=4, retrace=None, learned_mask_embedding=True).save_pretrained(root / "dflash_only")
+    tiny_drafter(target, block_size=4, retrace="random", seed=5).save_pretrained(root / "no_gate_drafter")
+    other = tiny_target(family="llama", vocab_size=VOCAB, hidden_size=32, dtype=torch.float32)
+    tiny_drafter(other, retrace="random").save_pretrained(root / "other_drafter")
+    chat = root / "chat.jsonl"
+    chat.write_text("\n".join(json.dumps({"id": f"c{i}", "turns": [f"how do you make {w} ?", "and then what ?"]})
+                              for i, w in enumerate(["time", "sound"])) + "\n")
+    return {"root": root, "target": str(root / "target"), "drafter": str(root / "drafter"),
+            "dflash_only": str(root / "dflash_only"), "no_gate_drafter": str(root / "no_gate_drafter"),
+            "other_drafter": str(root / "other_drafter"), "chat": str(chat)}
+
+
+@pytest.fixture(scope="module")
+def report(assets):
+    """One fp32 run: two datasets (one multi-turn), every method, T=0 and T=1."""
+    torch.set_num_threads(1)
+    spec = BenchSpec(datasets=["gsm8k", assets["chat"]], methods=list(ALL_METHODS), temperatures=[0.0, 1.0],
+                     max_new_tokens=12, limit=2, seeds=[0], target=assets["target"],
+                     drafters={"default": assets["drafter"]}, dtype="fp32", progress=False)
+    return runner.run_benchmark(spec)
+
+
+@pytest.fixture
+def cli_without_training_commands(monkeypatch):
+    """cli.build_parser also registers `train`; stand in for hf_retrace.training.commands until it exists."""
+    try:
+        importlib.import_module("hf_retrace.training.commands")
+    except ImportError:
+        stub = types.ModuleType("hf_retrace.training.commands")
+        stub.register = lambda subparsers: None
+        monkeypatch.setitem(sys.modules, "hf_retrace.training.commands", stub)
+
+
+def test_json_has_every_field_for_every_dataset_and_method(report):
+    assert set(report["results"]) == {"gsm8k", "chat"}
+    for dataset, methods in report["results"].items():
+        assert set(methods) == set(ALL_METHODS), f"{dataset}: methods {sorted(methods)}"
+        for method, by_temperature in methods.items():
+            assert set(by_temperature) == {"T=0", "T=1"}
+            for row in by_temperature.values():
+                missing = [f for f in ROW_FIELDS if f not in row]
+                assert not missing, f"{dataset}/{method} lacks {missing}"
+                assert row["tau"] >= 1.0 and row["speedup"] > 0 and row["tokens_per_second"] > 0
+    assert json.loads(json.dumps(report)) == report  # plain JSON, nothing left as a tensor or dataclass
+
+
+def test_fp32_greedy_outputs_equal_plain_for_every_method(report):
+    greedy = [r for r in report["rows"] if r["temperature"] == 0 and r["method"] != "plain"]
+    assert {r["method"] for r in greedy} == set(ALL_METHODS) - {"plain"}
+    for row in greedy:
+        assert row["mismatches"] == 0, (row["dataset"], row["method"], row["divergences"])
+        assert row["compared_requests"] == row["requests"] > 0  # every request, every turn, really compared
+    sampled = [r for r in report["rows"] if r["temperature"] == 1]
+    assert all(r["mismatches"] is None for r in sampled)  # T=1 outputs legitimately differ: never compared
+
+
+def test_multi_turn_prompts_run_every_turn(report):
+    chat = report["results"]["chat"]["retrace"]["T=0"]
+    assert chat["requests"] == 2 * chat["prompts"] == 4
+    second_turns = [r for r in chat["per_request"] if r["turn"] == 1]
+    first_turns = {r["prompt_id"]: r for r in chat["per_request"] if r["turn"] == 0}
+    for second in second_turns:  # the answer to turn 1 is part of turn 2's input
+        first = first_turns[second["prompt_id"]]
+        assert second["input_tokens"] > first["input_tokens"] + first["new_tokens"] - 1
+
+
+def test_native_dflash_rounds_are_recorded_like_ours(report):
+    for dataset in report["results"]:
+        native = report["results"][dataset]["dflash-native"]["T=0"]
+        ours = report["results"][dataset]["dflash"]["T=0"]
+        assert native["rounds"] == ours["rounds"] > 0
+        assert native["acceptance_length_histogram"] == ours["acceptance_length_histogram"]
+        assert native["draft_cost_c"] > 0 and native["kept_suffix_rate"] is None
+        assert ours["kept_suffix_rate"] is not None
+
+
+def test_mismatch_detector_reports_position_and_gap(assets, monkeypatch):
+    real_generate = runner.timed_generate
+
+    def corrupt_dflash(target, tokenizer, input_ids, **kwargs):
+        run = real_generate(target, tokenizer, input_ids, **kwargs)
+        drafter = kwargs.get("assistant_model")
+        if hasattr(drafter, "retrace") and not drafter.config.use_retrace:  # the dflash method only
+            run.token_ids[3] = (run.token_ids[3] + 1) % VOCAB  # a wrong token at new-token position 3
+        return run
+
+    monkeypatch.setattr(runner, "timed_generate", corrupt_dflash)
+    spec = BenchSpec(datasets=["gsm8k"], methods=["plain", "dflash", "retrace"], max_new_tokens=8, limit=2,
+                     target=assets["target"], drafters={"default": assets["drafter"]}, dtype="fp32",
+                     warmup=False, progress=False)
+    result = runner.run_benchmark(spec)["results"]["gsm8k"]
+    assert result["retrace"]["T=0"]["mismatches"] == 0
+    row = result["dflash"]["T=0"]
+    assert row["mismatches"] == row["mismatch_bugs"] == 2  # fp32: every divergence is a bug
+    for divergence in row["divergences"]:
+        assert divergence["position"] == 3
+        assert divergence["plain_token"] != divergence["method_token"]
+        assert math.isfinite(divergence["top2_gap"]) and divergence["top2_gap"] >= 0
+        assert divergence["chosen_gap"] > 0  # plain's token is the target's argmax there; the injected one is not
+        assert divergence["verdict"] == "bug"
+
+
+class _FixedLogits(torch.nn.Module):
+    """A 'target' whose last-position logits are fixed: only find_divergence's verdict is under test."""
+
+    def __init__(self, logits: list[float]):
+        super().__init__()
+        self.logits = torch.tensor(logits)
+        self.device = torch.device("cpu")
+
+    def forward(self, input_ids, attention_mask=None):
+        return types.SimpleNamespace(logits=self.logits.expand(1, input_ids.shape[1], -1))
+
+
+@pytest.mark.parametrize(
+    "logits, dtype, verdict",
+    [
+        ([10.0, 10.0625, 3.0], "bf16", "near-tie"),  # one bf16 ulp at 10: numerics
+        ([10.0, 10.0625, 3.0], "fp32", "bug"),  # fp32 must be exact whatever the gap
+        ([10.0, 12.0, 3.0], "bf16", "bug"),  # 32 ulps: not a near-tie
+    ],
+)
+def test_divergence_verdict_uses_bf16_ulps_of_the_logit(logits, dtype, verdict):
+    prompt = torch.tensor([[1, 2, 3]])
+    divergence = find_divergence(_FixedLogits(logits), prompt, plain_output=[5, 1, 7], output=[5, 0, 7], dtype=dtype)
+    assert divergence.position == 1
+    assert (divergence.plain_token, divergence.method_token) == (1, 0)
+    assert divergence.top2_gap == pytest.approx(abs(logits[1] - logits[0]))
+    assert divergence.bf16_ulp == 0.0625
+    assert divergence.verdict == verdict
+    assert find_divergence(_FixedLogits(logits), prompt, [5, 1, 7], [5, 1, 7], dtype) is None
+
+
+@pytest.mark.parametrize(
+    "case, expected",
+    [
+        ("unknown_dataset", "unknown dataset 'gsm9k'"),
+        ("unusable_jsonl", "no usable prompt field"),
+        ("unknown_method", "unknown method(s) 'medusa'"),
+        ("wrong_target", "was built for another target"),
+        ("unknown_drafter_name", "unknown drafter name 'eagle'"),
+    ],
+)
+def test_bad_input_fails_before_any_model_loads(case, expected, assets, monkeypatch, cli_without_training_commands):
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was checked")
+
+    monkeypatch.setattr(runner, "load_models", no_load)
+    monkeypatch.setattr(cli, "load_pair", no_load)
+    bad = assets["root"] / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no prompt field here"}) + "\n")
+    args = {"dataset": "gsm8k", "methods": "plain,dflash", "drafter": assets["drafter"]}
+    args |= {
+        "unknown_dataset": {"dataset": "gsm9k"},
+        "unusable_jsonl": {"dataset": str(bad)},
+        "unknown_method": {"methods": "plain,medusa"},
+        "wrong_target": {"drafter": assets["other_drafter"]},
+        "unknown_drafter_name": {"drafter": f"eagle={assets['drafter']}"},
+    }[case]
+    argv = ["bench", "--target", assets["target"], "--dataset", args["dataset"], "--methods", args["methods"],
+            "--drafter", args["drafter"], "--no-progress"]
+    with pytest.raises(SystemExit) as raised:
+        cli.main(argv)
+    assert expected in str(raised.value.code)
+
+
+def test_retrace_methods_are_skipped_with_a_reason_when_the_drafter_has_no_module(assets):
+    plan = plan_benchmark(BenchSpec(datasets=["gsm8k"], methods=["dflash", "retrace", "retrace-no_gate"], limit=1,
+                                    target=assets["target"], drafters={"default": assets["dflash_only"]}))
+    assert [m.name for m in plan.methods] == ["plain", "dflash"]
+    assert set(plan.skipped) == {"retrace", "retrace-no_gate"}
+    assert all("no ReTrace module" in reason for reason in plan.skipped.values())
+
+
+def test_a_separately_trained_ablation_drafter_replaces_the_main_one(assets):
+    plan = plan_benchmark(BenchSpec(datasets=["gsm8k"], methods=["retrace", "retrace-no_gate", "retrace-no_correction"],
+                                    limit=1, target=assets["target"],
+                                    drafters={"default": assets["drafter"], "no_gate": assets["no_gate_drafter"]}))
+    assert plan.drafter_paths == {"retrace": assets["drafter"], "retrace-no_gate": assets["no_gate_drafter"],
+                                  "retrace-no_correction": assets["drafter"]}
+
+
+@pytest.mark.parametrize("learned_mask", [False, True])
+def test_native_assistant_computes_what_the_drafter_computes(learned_mask):
+    target = tiny_target(family="llama", vocab_size=VOCAB, dtype=torch.float64)
+    drafter = tiny_drafter(target, block_size=6, retrace="random", learned_mask_embedding=learned_mask)
+    assistant = build_native_assistant(drafter)
+    assert not any(k.startswith("retrace.") or k == "mask_embedding" for k in convert_state_dict(drafter.state_dict()))
+    torch.manual_seed(0)
+    context = torch.randn(1, 7, len(drafter.config.target_layer_ids) * target.config.hidden_size, dtype=torch.float64)
+    anchor = torch.tensor([17])
+    positions = torch.arange(7 + drafter.config.block_size)[None]
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        ours = drafter(target_hidden=context, noise_embedding=drafter.block_embeddings(anchor, embed),
+                       position_ids=positions)
+        mask_row = 0 if learned_mask else drafter.config.mask_token_id  # the native generator embeds this row
+        noise_ids = torch.tensor([[17] + [mask_row] * (drafter.config.block_size - 1)])
+        native = assistant(noise_embeds=embed(noise_ids), context_hidden_states=context, position_ids=positions)
+    torch.testing.assert_close(native.last_hidden_state, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_markdown_and_pngs_are_written(report, tmp_path):
+    markdown = write_markdown(report, tmp_path / "out.md").read_text()
+    for method in ALL_METHODS:
+        assert f"| {method} |" in markdown
+    assert "Per-position acceptance" in markdown
+    for png in write_plots(report, tmp_path / "plots"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 2000
+
+
+def test_cli_end_to_end(assets, tmp_path, capsys, cli_without_training_commands):
+    out = tmp_path / "out.json"
+    argv = ["bench", "--target", assets["target"], "--drafter", assets["drafter"], "--dataset", "gsm8k",
+            "--dataset", assets["chat"], "--methods", "plain,prompt-lookup,dflash,retrace", "--temperature", "0",
+            "--max-new-tokens", "8", "--limit", "1", "--dtype", "fp32", "--json", str(out), "--markdown",
+            str(tmp_path / "out.md"), "--plots", str(tmp_path / "plots"), "--no-progress", "--fail-on-mismatch"]
+    assert cli.main(argv) == 0
+    report = json.loads(out.read_text())
+    for dataset in ("gsm8k", "chat"):
+        for method in ("plain", "prompt-lookup", "dflash", "retrace"):
+            row = report["results"][dataset][method]["T=0"]
+            assert {"tau", "speedup", "mismatches", "tokens_per_second"} <= set(row)
+            assert row["mismatches"] == 0
+    stdout = capsys.readouterr().out
+    assert stdout.strip() == markdown_report(report).strip()
+    assert (tmp_path / "out.md").is_file() and (tmp_path / "plots" / "tau.png").is_file()

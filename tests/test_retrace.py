@@ -1,0 +1,162 @@
+"""ReTrace: the rejected suffix's life cycle, alignment, zero-init identity, ablations, no extra target forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ProposalPolicy, tiny_drafter, tiny_target
+
+from hf_retrace import RejectedSuffix
+from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
+
+
+def _record_drafts(monkeypatch):
+    drafts, generators = [], []
+    original = ReTraceCandidateGenerator.get_candidates
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        if self not in generators:
+            generators.append(self)
+        candidates, logits = original(self, input_ids, *args, **kwargs)
+        drafts.append(candidates[0, input_ids.shape[1] :].tolist())
+        return candidates, logits
+
+    monkeypatch.setattr(ReTraceCandidateGenerator, "get_candidates", get_candidates)
+    return drafts, generators
+
+
+def _run(target, drafter, prompt, max_new_tokens=40):
+    return target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
+
+
+def test_untrained_retrace_drafts_exactly_what_its_backbone_drafts(monkeypatch):
+    target = tiny_target(seed=5, logit_scale=4.0)
+    drafter = tiny_drafter(target, block_size=6, retrace="untrained")
+    prompt = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(1))
+    drafts, _ = _record_drafts(monkeypatch)
+    _run(target, drafter, prompt)
+    with_retrace, fused = list(drafts), drafter.last_stats.rounds_with_fused_suffix
+    drafts.clear()
+    drafter.config.use_retrace = False
+    _run(target, drafter, prompt)
+    assert fused > 0, "the ReTrace path never ran: nothing was fused"
+    assert with_retrace == drafts
+
+
+def test_trained_retrace_changes_the_drafts_but_not_the_output(monkeypatch):
+    target = tiny_target(seed=5, logit_scale=4.0)
+    drafter = tiny_drafter(target, block_size=6, retrace="random")
+    prompt = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(1))
+    drafts, _ = _record_drafts(monkeypatch)
+    out_on = _run(target, drafter, prompt)
+    on = list(drafts)
+    drafts.clear()
+    drafter.config.use_retrace = False
+    out_off = _run(target, drafter, prompt)
+    assert on != drafts, "a non-zero ReTrace module must change some drafts"
+    assert torch.equal(out_on, out_off)
+
+
+def test_alignment_places_kept_slots_by_absolute_position():
+    # round with anchor s=10, k=6 drafted, n=2 accepted: kept slots j=4..6 at positions 14..16; next anchor 13
+    hidden = torch.arange(3 * 4, dtype=torch.float32).view(1, 3, 4)
+    suffix = RejectedSuffix(
+        positions=torch.tensor([[14, 15, 16]]),
+        drafter_hidden=hidden,
+        rejected_tokens=torch.tensor([[7, 8, 9]]),
+        target_tokens=torch.tensor([[7, 1, 2]]),
+        target_probs=torch.tensor([[0.5, 0.25, 0.125]]),
+        target_features=hidden + 100,
+    )
+    assert suffix.agree.tolist() == [[True, False, False]]
+    aligned = suffix.align(anchor_position=13, block_size=6)
+    # new slots 1, 2, 3 (mask indices 0, 1, 2) hold old slots 4, 5, 6; slots 4, 5 stay MASK
+    assert aligned.valid.tolist() == [[True, True, True, False, False]]
+    assert aligned.rejected_tokens.tolist() == [[7, 8, 9, 0, 0]]
+    assert torch.equal(aligned.drafter_hidden[0, :3], hidden[0])
+    assert torch.equal(aligned.target_features[0, :3], hidden[0] + 100)
+    # a block too short for the suffix keeps only what fits
+    short = suffix.align(anchor_position=13, block_size=3)
+    assert short.valid.tolist() == [[True, True]] and short.rejected_tokens.tolist() == [[7, 8]]
+
+
+def test_rejected_suffix_life_cycle(monkeypatch, use_policy):
+    """Fresh state per call; dropped after a fully accepted round; kept (from the same verification) otherwise."""
+    target = tiny_target(seed=6, logit_scale=4.0)
+    drafter = tiny_drafter(target, block_size=5, retrace="random")
+    prompt = torch.randint(0, 95, (1, 7), generator=torch.Generator().manual_seed(2))
+    reference = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    kept_after = []
+    original = ReTraceCandidateGenerator.update_candidate_strategy
+
+    def update(self, input_ids, scores, num_matches):
+        draft = self.draft_round
+        original(self, input_ids, scores, num_matches)
+        if draft is not None:
+            kept_after.append((int(num_matches), draft.tokens.shape[0], self.rejected_suffix))
+
+    monkeypatch.setattr(ReTraceCandidateGenerator, "update_candidate_strategy", update)
+    _, generators = _record_drafts(monkeypatch)
+    use_policy(ProposalPolicy(reference, "all", 96))
+    _run(target, drafter, prompt, 30)
+    assert kept_after and all(s is None for n, k, s in kept_after if n == k), "all accepted: nothing may be kept"
+    kept_after.clear()
+    use_policy(ProposalPolicy(reference, "partial", 96, seed=4))
+    _run(target, drafter, prompt, 30)
+    assert len(generators) == 2 and generators[0] is not generators[1], "each generate call gets fresh state"
+    for accepted, drafted, suffix in kept_after:
+        if accepted + 1 < drafted:
+            assert suffix is not None and len(suffix) == drafted - accepted - 1
+        else:
+            assert suffix is None
+
+
+@pytest.mark.parametrize("retrace", [None, "random"])
+def test_no_extra_target_forward(retrace, count_forwards):
+    target = tiny_target(seed=7, logit_scale=4.0)
+    drafter = tiny_drafter(target, block_size=5, retrace=retrace)
+    prompt = torch.randint(0, 95, (1, 8), generator=torch.Generator().manual_seed(3))
+    calls = count_forwards(target)
+    _run(target, drafter, prompt, 30)
+    stats = drafter.last_stats
+    # one prefill, one verification per drafting round, and single steps where no draft was possible
+    undrafted_steps = stats.new_tokens - 1 - sum(stats.acceptance_lengths)
+    assert calls["n"] == 1 + stats.rounds + undrafted_steps
+
+
+def test_ablations_change_the_fusion_as_documented():
+    target = tiny_target(seed=8)
+    drafter = tiny_drafter(target, block_size=4, retrace="random")
+    with torch.no_grad():
+        drafter.retrace.gate.weight.normal_(0, 0.3)
+    gen = torch.Generator().manual_seed(0)
+    suffix = RejectedSuffix(
+        positions=torch.tensor([[5, 6]]),
+        drafter_hidden=torch.randn(1, 2, 64, generator=gen, dtype=torch.float64),
+        rejected_tokens=torch.tensor([[3, 4]]),
+        target_tokens=torch.tensor([[3, 9]]),
+        target_probs=torch.tensor([[0.9, 0.4]], dtype=torch.float64),
+        target_features=torch.randn(1, 2, 64, generator=gen, dtype=torch.float64),
+    ).align(4, 4)
+    embed = target.get_input_embeddings()
+    masks = drafter.mask_vector(embed).expand(1, 3, -1)
+    outputs = {}
+    for ablation in ("full", "no_correction", "no_gate", "tokens_only"):
+        drafter.config.retrace_ablation = ablation
+        with torch.no_grad():
+            outputs[ablation] = drafter.retrace(masks, suffix, embed)
+    for ablation in ("no_correction", "no_gate", "tokens_only"):
+        assert not torch.allclose(outputs[ablation][0, :2], outputs["full"][0, :2]), ablation
+    for out in outputs.values():  # the unaligned slot stays the plain MASK embedding
+        assert torch.equal(out[0, 2], masks[0, 2])
+
+
+def test_plain_dflash_drafter_can_gain_a_retrace_module():
+    target = tiny_target(seed=9)
+    drafter = tiny_drafter(target, retrace=None)
+    assert drafter.retrace is None and not drafter.config.retrace_enabled
+    module = drafter.add_retrace()
+    assert torch.count_nonzero(module.output_projection.weight) == 0
+    assert not drafter.config.retrace_enabled, "untrained: off by default"
+    drafter.config.use_retrace = True
+    assert drafter.config.retrace_enabled

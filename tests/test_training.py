@@ -1,0 +1,394 @@
+"""Training: the DFlash objective (no leakage), online vs precomputed features, resume, end to end with real tau.
+
+Everything runs on tiny models (CPU, a few seconds each). The end-to-end target is itself trained first on a
+counting pattern (token t+1 = token t + 1 mod 40), so its greedy continuation is deterministic and learnable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import hf_retrace  # noqa: F401  (installs the generate hook)
+from hf_retrace import ReTraceConfig, ReTraceDrafter
+from hf_retrace.training.features import (
+    FeatureDataset,
+    OnlineFeatures,
+    PrecomputedFeatures,
+    collate_sequences,
+    precompute_features,
+    tapped_hidden_states,
+)
+from hf_retrace.training.objective import (
+    DFlashObjective,
+    build_block_attention_mask,
+    decay_weights,
+    sample_anchors,
+)
+from hf_retrace.training.trainer import (
+    TauEvaluator,
+    Trainer,
+    TrainingArguments,
+    check_drafter_matches_target,
+    copy_target_layers,
+    drafter_config_from_target,
+    latest_checkpoint,
+    retrace_parameters,
+)
+
+VOCAB, CYCLE, EOS, PAD = 48, 40, 47, 46
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def counting(start: int, length: int) -> torch.Tensor:
+    return (start + torch.arange(length)) % CYCLE
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """The TokenizedDataset interface on in-memory sequences (prompt = first 4 tokens, loss_mask 0)."""
+
+    def __init__(self, sequences: list[torch.Tensor], prompt_len: int = 4):
+        self.items = [
+            {"input_ids": s.long(), "loss_mask": torch.arange(len(s)) >= prompt_len} for s in sequences
+        ]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return dict(self.items[i])
+
+    def sequence_lengths(self):
+        return np.array([len(it["input_ids"]) for it in self.items])
+
+
+def tiny_llama(seed: int = 0, layers: int = 4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.fixture(scope="module")
+def counting_target():
+    """A tiny Llama trained (~1-2 s) until its greedy continuation counts: t -> t+1 mod 40."""
+    target = tiny_llama()
+    gen = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(target.parameters(), lr=1e-2)
+    for _ in range(120):
+        starts = torch.randint(0, CYCLE, (32,), generator=gen)
+        ids = torch.stack([counting(int(s), 24) for s in starts])
+        loss = target(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    prompt = counting(7, 5)[None]
+    out = target.generate(prompt, max_new_tokens=20, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out[0, 5:], counting(12, 20)), "the tiny target did not learn to count"
+    return target
+
+
+def make_drafter(target, block_size=4, layers=2, seed=1, **kw) -> ReTraceDrafter:
+    kw.setdefault("target_layer_ids", [0, 1, 2])
+    config = drafter_config_from_target(target.config, num_hidden_layers=layers, block_size=block_size, **kw)
+    torch.manual_seed(seed)
+    return ReTraceDrafter(config).float()
+
+
+def objective_for(target, drafter, **kw):
+    return DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(), **kw)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The objective's pieces
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_anchor_sampling_and_weights():
+    loss_mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0, 0, 0]]).bool()
+    lengths = torch.tensor([6, 3])
+    anchors, valid = sample_anchors(loss_mask, lengths, 4, torch.Generator().manual_seed(0))
+    assert anchors.shape == valid.shape == (2, 4)
+    # row 0: response positions 2..5, p+1 < 6 -> 2,3,4 ; row 1: 1 (2 is last)
+    assert sorted(anchors[0][valid[0]].tolist()) == [2, 3, 4] and valid[0].sum() == 3
+    assert anchors[1][valid[1]].tolist() == [1] and valid[1].sum() == 1
+    w = decay_weights(16, 7.0)
+    assert w[0] == 1.0 and torch.allclose(w[7], torch.exp(torch.tensor(-1.0)))
+
+
+def test_mask_built_from_anchor_positions():
+    anchors = torch.tensor([[3, 5]])  # 2 apart with B = 4: positions overlap (3..6 and 5..8)
+    mask = build_block_attention_mask(anchors, torch.tensor([[True, True]]), context_length=10, block_size=4)
+    assert mask.shape == (1, 1, 8, 18)
+    m = mask[0, 0]
+    assert m[:4, :3].all() and not m[:4, 3:10].any()  # block 0 sees context < 3 only
+    assert m[4:, :5].all() and not m[4:, 5:10].any()  # block 1 sees context < 5 only
+    assert m[:4, 10:14].all() and not m[:4, 14:].any()  # own block only
+    assert m[4:, 14:].all() and not m[4:, 10:14].any()
+
+
+def test_no_leakage_and_equivalence_with_inference(counting_target):
+    """A block's prediction ignores features at/after its anchor and other blocks, and equals the inference forward."""
+    target = counting_target
+    drafter = make_drafter(target, block_size=4, layers=2).eval()
+    obj = objective_for(target, drafter)
+    ids = counting(3, 20)[None]
+    th = tapped_hidden_states(target, ids, None, drafter.config.target_layer_ids)
+    anchors = torch.tensor([[6, 8, 9, 13]])  # closer than B: the SpecForge leak case
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+
+    def block_out(hidden, input_ids=ids):
+        emb, pos, mask = obj.block_inputs(input_ids, anchors, valid, input_ids.shape[1])
+        out = drafter(target_hidden=hidden, noise_embedding=emb, position_ids=pos, attention_mask=mask)
+        return out.reshape(1, 4, 4, -1)
+
+    with torch.no_grad():
+        base = block_out(th)
+        j, a = 1, 8  # block 1, anchor 8
+        later = th.clone()
+        later[:, a:] = torch.randn_like(later[:, a:]) * 10  # features at and after the anchor
+        assert torch.allclose(block_out(later)[:, j], base[:, j], atol=1e-5)
+        earlier = th.clone()
+        earlier[:, a - 1] += 5.0
+        assert not torch.allclose(block_out(earlier)[:, j], base[:, j], atol=1e-3)
+        # other blocks' anchor tokens are invisible (block 2's anchor 9 sits inside block 1's positions)
+        other = ids.clone()
+        other[0, 9] = (other[0, 9] + 17) % CYCLE
+        changed = block_out(th, other)
+        assert torch.allclose(changed[:, j], base[:, j], atol=1e-5)
+        assert not torch.allclose(changed[:, 2], base[:, 2], atol=1e-3)
+        # equals the inference-time forward: context = features of positions < anchor, block at anchor..anchor+B-1
+        block = drafter.block_embeddings(ids[:, a], target.get_input_embeddings())
+        single = drafter(target_hidden=th[:, :a], noise_embedding=block, position_ids=torch.arange(a + 4)[None])
+        assert torch.allclose(single, base[:, j], atol=1e-5)
+
+
+def test_loss_only_on_response_positions(counting_target):
+    target = counting_target
+    drafter = make_drafter(target)
+    obj = objective_for(target, drafter)
+    ids = counting(0, 12)[None]
+    loss_mask = torch.zeros(1, 12, dtype=torch.bool)
+    loss_mask[0, 4:10] = True  # positions 10, 11 are not supervised
+    th = tapped_hidden_states(target, ids, None, drafter.config.target_layer_ids)
+    batch = {"input_ids": ids, "loss_mask": loss_mask, "attention_mask": torch.ones_like(ids), "target_hidden": th,
+             "anchors": torch.tensor([[8, 0]]), "anchor_valid": torch.tensor([[True, False]])}
+    loss, metrics = obj(batch)
+    assert int(metrics["num_labels"]) == 1  # anchor 8: slot 1 -> 9 supervised; 10, 11 not
+    assert int(metrics["num_blocks"]) == 1 and torch.isfinite(loss)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Features: online == precomputed
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _dataset(n=12, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(10, 24, (n,), generator=gen)
+    starts = torch.randint(0, CYCLE, (n,), generator=gen)
+    return ListDataset([counting(int(s), int(L)) for s, L in zip(starts, lengths)])
+
+
+def test_online_and_precomputed_features_give_the_same_loss(counting_target, tmp_path):
+    target = counting_target
+    data = _dataset()
+    drafter = make_drafter(target)
+    layer_ids = drafter.config.target_layer_ids
+    manifest = precompute_features(target, data, tmp_path / "feats", layer_ids, shard_sequences=5,
+                                   max_batch_tokens=40, progress=False)
+    assert manifest["complete"] and len(manifest["shards"]) == 3
+    # resumable: a second call returns at once with the same manifest
+    assert precompute_features(target, data, tmp_path / "feats", layer_ids, shard_sequences=5,
+                               progress=False)["shards"] == manifest["shards"]
+    stored = FeatureDataset(data, PrecomputedFeatures(tmp_path / "feats"))
+    obj = objective_for(target, drafter, num_anchors=6)
+    online = OnlineFeatures(target, layer_ids)
+    rows = [2, 7, 11]
+    batch_pre = collate_sequences([stored[i] for i in rows])
+    batch_on = online(collate_sequences([data[i] for i in rows]))
+    real = batch_pre["attention_mask"].bool()  # padding rows are never read (context < anchor < length)
+    assert torch.allclose(batch_pre["target_hidden"][real], batch_on["target_hidden"][real], atol=1e-5)
+    loss_pre, _ = obj({**batch_pre, "anchor_generator": torch.Generator().manual_seed(3)})
+    loss_on, _ = obj({**batch_on, "anchor_generator": torch.Generator().manual_seed(3)})
+    assert abs(loss_pre.item() - loss_on.item()) < 1e-5
+
+
+def test_bf16_features_are_stored_bit_exact(counting_target, tmp_path):
+    target = tiny_llama(seed=3, layers=2).to(torch.bfloat16).eval()
+    data = _dataset(4)
+    # one sequence per forward (no padding), so the online reference has the very same shapes
+    precompute_features(target, data, tmp_path / "f", [0, 1], max_batch_tokens=1, progress=False)
+    stored = PrecomputedFeatures(tmp_path / "f")
+    assert stored.torch_dtype is torch.bfloat16
+    for i in range(4):
+        ids = data[i]["input_ids"][None]
+        assert torch.equal(stored[i], tapped_hidden_states(target, ids, None, [0, 1])[0])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The loop: resume, end to end
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _trainer(target, drafter, out, *, max_steps, feature_fn=None, dataset=None, eval_fn=None, **kw):
+    args = TrainingArguments(out_dir=str(out), batch_size=2, grad_accum=2, lr=3e-3, max_steps=max_steps,
+                             progress=False, save_dtype="float32", **kw)
+    obj = objective_for(target, drafter, num_anchors=4)
+    return Trainer(obj, dataset, args, feature_fn=feature_fn or OnlineFeatures(target, drafter.config.target_layer_ids),
+                   eval_fn=eval_fn)
+
+
+class _Killer:
+    """Online features that die (like a kill) after ``n`` micro-batches."""
+
+    def __init__(self, inner, n):
+        self.inner, self.n = inner, n
+
+    def __call__(self, batch):
+        if self.n == 0:
+            raise KeyboardInterrupt("simulated kill")
+        self.n -= 1
+        return self.inner(batch)
+
+
+def test_resume_after_kill_matches_uninterrupted_run(counting_target, tmp_path):
+    target = counting_target
+    data = FeatureDataset(_dataset(16))
+    init = make_drafter(target).state_dict()
+
+    def fresh():
+        d = make_drafter(target)
+        d.load_state_dict(init)
+        return d
+
+    full = _trainer(target, fresh(), tmp_path / "full", max_steps=6, dataset=data, save_every=0)
+    full.train()
+    killed_drafter = fresh()
+    killed = _trainer(target, killed_drafter, tmp_path / "killed", max_steps=6, dataset=data, save_every=2,
+                      feature_fn=_Killer(OnlineFeatures(target, killed_drafter.config.target_layer_ids), 7))
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()  # dies in the middle of step 4 (its 2nd micro-batch): the last checkpoint is step-2
+    assert latest_checkpoint(tmp_path / "killed").name == "step-2"
+    resumed = _trainer(target, fresh(), tmp_path / "killed", max_steps=6, dataset=data, save_every=2, resume=True)
+    summary = resumed.train()
+    assert summary["steps"] == 6
+    a, b = full.unwrapped_drafter().state_dict(), resumed.unwrapped_drafter().state_dict()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5), key
+    log = [json.loads(line) for line in (tmp_path / "killed" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]  # redone steps are not logged twice
+    full_log = [json.loads(line) for line in (tmp_path / "full" / "train_log.jsonl").read_text().splitlines()]
+    assert np.allclose([r["loss"] for r in log], [r["loss"] for r in full_log], atol=1e-5)
+
+
+def test_end_to_end_lowers_loss_and_raises_real_tau(counting_target, tmp_path):
+    target = counting_target
+    drafter = make_drafter(target, block_size=4, layers=2)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [counting(int(s), 6).tolist() for s in torch.randint(0, CYCLE, (4,), generator=gen)]
+    evaluator = TauEvaluator(target, prompts, max_new_tokens=24)
+    tau_before = evaluator(drafter)["tau"]
+    data = FeatureDataset(_dataset(64, seed=1))
+    trainer = _trainer(target, drafter, tmp_path / "run", max_steps=60, dataset=data, eval_fn=evaluator,
+                       save_every=0, eval_every=0)
+    summary = trainer.train()
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-5:]])
+    assert last < 0.3 * first, (first, last)
+    tau_after = trainer.evaluate(limit=None)["tau"]
+    assert tau_before < 1.5 and tau_after > 3.0, (tau_before, tau_after)  # block 4: max tau is 4
+    trainer.save_drafter(tmp_path / "saved", "float32")
+    loaded = ReTraceDrafter.from_pretrained(tmp_path / "saved")
+    assert not any(k.startswith(("embed", "lm_head")) for k in loaded.state_dict())
+    assert evaluator(loaded)["tau"] == pytest.approx(tau_after)
+    assert summary["steps"] == 60
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Initialisation, stages, CLI checks
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_config_from_target_mismatch_and_layer_copy(counting_target):
+    target = counting_target
+    config = drafter_config_from_target(target.config, num_hidden_layers=2, block_size=8)
+    assert (config.hidden_size, config.vocab_size, config.head_dim) == (64, VOCAB, 16)
+    assert config.learned_mask_embedding and config.mask_token_id is None
+    assert config.target_layer_ids == [1] * 5  # build_target_layer_ids(4, 5): L=4 leaves only layer 1
+    drafter = ReTraceDrafter(drafter_config_from_target(target.config, num_hidden_layers=2, num_target_features=2))
+    mapping = copy_target_layers(drafter, target)
+    assert mapping == {0: 2, 1: 3}
+    assert torch.equal(drafter.layers[1].mlp.up_proj.weight, target.model.layers[3].mlp.up_proj.weight)
+    other = tiny_llama(layers=2)
+    with pytest.raises(ValueError, match="does not match"):
+        check_drafter_matches_target(make_drafter(target, target_layer_ids=[0, 3]).config, other.config)
+    with pytest.raises(ValueError, match="vocab_size"):
+        bad = ReTraceConfig(**{**config.to_dict(), "vocab_size": 99})
+        check_drafter_matches_target(bad, target.config)
+
+
+def test_param_filter_trains_only_retrace(counting_target, tmp_path):
+    target = counting_target
+    drafter = make_drafter(target)
+    drafter.add_retrace()
+    args = TrainingArguments(out_dir=str(tmp_path), max_steps=1, progress=False)
+    trainer = Trainer(objective_for(target, drafter), FeatureDataset(_dataset(4)), args,
+                      feature_fn=OnlineFeatures(target, drafter.config.target_layer_ids), param_filter=retrace_parameters)
+    assert trainer.trainable_names and all(n.startswith("retrace.") for n in trainer.trainable_names)
+    assert not drafter.layers[0].mlp.up_proj.weight.requires_grad
+
+
+def _train_args(*argv):
+    from hf_retrace.training.commands import register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["train", *argv])
+
+
+def _tokenized(tmp_path):
+    data = tmp_path / "tok"
+    data.mkdir()
+    (data / "manifest.json").write_text(json.dumps({"complete": True, "num_tokens": 10, "shards": []}))
+    return data
+
+
+def test_cli_refuses_bad_input_before_loading_models(tmp_path):
+    from hf_retrace.training.commands import cmd_train
+
+    data = _tokenized(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "something").write_text("x")
+    # the target does not exist: any model loading would fail differently
+    with pytest.raises(SystemExit, match="not empty"):
+        cmd_train(_train_args("--target", "no/such-model", "--data", str(data), "--out", str(out)))
+    with pytest.raises(SystemExit, match="manifest"):
+        cmd_train(_train_args("--target", "default", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")))
+    with pytest.raises(NotImplementedError, match="retrace"):
+        cmd_train(_train_args("--target", "default", "--data", str(data), "--out", str(tmp_path / "o3"),
+                              "--stage", "retrace"))
+    with pytest.raises(SystemExit, match="eval-prompts"):
+        cmd_train(_train_args("--target", "default", "--data", str(data), "--out", str(tmp_path / "o4"),
+                              "--eval-prompts", str(tmp_path / "missing.jsonl")))
+    assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
