@@ -172,7 +172,6 @@ def test_assisted_sampling_follows_the_target_law(mode, warp, assisted, plain):
     if arm["retrace"] is not None:
         assert arm["fused"] > 0, "the ReTrace arm never fused a rejected suffix"
     pvalues = law_battery(arm["tokens"], plain[warp])
-    print("DIAG", mode, warp, {k: v for k, v in arm.items() if k not in ("tokens", "first_drafts")}, pvalues)
     assert min(pvalues.values()) > ALPHA, f"{mode}/{warp}: assisted sampling departs from plain sampling: {pvalues}"
 
 
@@ -190,7 +189,6 @@ def test_power_two_plain_samples_pass(target, plain):
     for i, (name, kw) in enumerate(WARPERS.items()):
         other = _plain_samples(target, N_ASSISTED, seed=200 + i, **kw)
         pvalues = law_battery(other, plain[name])
-        print("DIAG plain2", name, pvalues)
         assert min(pvalues.values()) > ALPHA, (name, pvalues)
 
 
@@ -200,7 +198,6 @@ def test_power_draft_proposals_are_rejected(warp, assisted, plain):
     drafts = assisted[("sample", warp)]["first_drafts"]
     assert len(drafts) >= 0.9 * N_ASSISTED  # almost every call drafts token #2 in its first round
     p = homogeneity_p(drafts, plain[warp][:, 1])
-    print("DIAG drafts", warp, p)
     assert p < ALPHA, f"the test cannot tell the draft's proposal law from the target's (p={p})"
 
 
@@ -213,5 +210,4 @@ def shifted(target):
 def test_power_shifted_temperature_is_rejected(mode, assisted, shifted):
     """A sampler that is only slightly off (temperature 1.3 instead of 1.0) fails the same battery."""
     pvalues = law_battery(assisted[(mode, "untempered")]["tokens"], shifted)
-    print("DIAG shifted", mode, pvalues)
     assert min(pvalues.values()) < ALPHA, f"temperature {SHIFTED_TEMPERATURE} was not detected: {pvalues}"

@@ -100,7 +100,7 @@ class TargetTap:
     def has_window(self, model_outputs: Any) -> bool:
         if self.uses_model_outputs:
             return model_outputs is not None and getattr(model_outputs, "hidden_states", None) is not None
-        return len(self._captured) == len(self.target_layer_ids)
+        return len(self._captured) == len(set(self.target_layer_ids))  # a layer may be tapped twice
 
     def window(self, model_outputs: Any) -> torch.Tensor:
         """``[1, W, n * H]``: the tapped states of every row the latest target forward computed."""

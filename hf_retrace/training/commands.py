@@ -91,6 +91,15 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--copy-target-layers", nargs="?", const="last", default=None,
                    help="initialise drafter layers from target layers: 'last' (default) or a list like 20,25,29")
     # objective
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft only the N most frequent response tokens of --data (cheaper rounds; default: all)")
+    p.add_argument("--verification", choices=("exact", "teacher-forced"), default="exact",
+                   help="--stage retrace: the target's verdict from a real verify forward over the drafts (exact) "
+                        "or from the teacher-forced outputs on the true sequence (cheaper, optimistic)")
+    p.add_argument("--retrace-ablation", choices=("full", "no_correction", "no_gate", "tokens_only"), default="full",
+                   help="--stage retrace: train an ablated fusion module (retrace.md section 8)")
+    p.add_argument("--joint", action="store_true",
+                   help="--stage retrace: also fine-tune the backbone (use a small --lr); default: backbone frozen")
     p.add_argument("--num-anchors", type=int, default=32)
     p.add_argument("--gamma", type=float, default=7.0, help="position decay exp(-(k-1)/gamma); <=0: uniform")
     # optimisation
@@ -134,12 +143,13 @@ def build_train_parser() -> argparse.ArgumentParser:
 def validate_train_args(args: argparse.Namespace) -> dict[str, Any]:
     """All cheap checks; returns facts found on the way (the data manifest). Raises SystemExit with a message."""
     if args.stage == "retrace":
-        raise NotImplementedError(
-            "hf-retrace train --stage retrace is not implemented yet: the ReTrace fusion stage (train only "
-            "`drafter.retrace.*` on a frozen, trained DFlash backbone) will plug its own objective into "
-            "hf_retrace.training.trainer.Trainer with param_filter=retrace_parameters. Train the backbone first "
-            "with --stage backbone."
-        )
+        if not args.init_from:
+            raise _fail("--stage retrace trains the ReTrace module on a trained DFlash backbone: pass --init-from "
+                        "DRAFTER (e.g. the output folder of a --stage backbone run, or a published DFlash drafter).")
+        if args.features_dir:
+            raise _fail("--stage retrace runs the target online (its cache verifies the drafts); drop --features-dir.")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 2:
+        raise _fail("--draft-vocab-size must be at least 2 (or leave it out for the full vocabulary).")
     data = Path(args.data)
     manifest_path = data / "manifest.json"
     if not manifest_path.is_file():
@@ -241,12 +251,35 @@ def _build_drafter(args, target, dtype):
             source = None if args.copy_target_layers == "last" else _parse_ids(args.copy_target_layers)
             mapping = copy_target_layers(drafter, target, source)
             init += f", layers copied from target layers {list(mapping.values())}"
+    if args.draft_vocab_size and not args.init_from:
+        drafter.set_draft_vocab(frequent_response_tokens(args.data, args.draft_vocab_size, target.config))
+        init += f", draft vocabulary: the {args.draft_vocab_size} most frequent response tokens"
+    if args.stage == "retrace":
+        drafter.add_retrace()
+        drafter.config.retrace_ablation = args.retrace_ablation
     name = getattr(target.config, "_name_or_path", "the target")
     check_drafter_matches_target(drafter.config, target.config, name)
     if args.block_size != drafter.config.block_size and args.init_from:
         print(f"[hf-retrace] note: --init-from drafter has block size {drafter.config.block_size}; using it.",
               file=sys.stderr)
     return drafter, init
+
+
+def frequent_response_tokens(data_dir: str, size: int, target_config: Any):
+    """The ``size`` most frequent response tokens of the tokenized data, end-of-sequence ids always included."""
+    import numpy as np
+    import torch
+
+    from .data import TokenizedDataset
+
+    vocab = target_config.get_text_config().vocab_size
+    counts = np.zeros(vocab, dtype=np.int64)
+    for item in TokenizedDataset(data_dir):
+        counts += np.bincount(item["input_ids"][item["loss_mask"]].numpy(), minlength=vocab)[:vocab]
+    eos = target_config.eos_token_id
+    for token in [eos] if isinstance(eos, int) else list(eos or []):
+        counts[token] = counts.max() + 1
+    return torch.from_numpy(np.argsort(-counts, kind="stable")[:size].copy())
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -268,7 +301,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .data import TokenizedDataset
     from .features import FeatureDataset, OnlineFeatures, PrecomputedFeatures, features_manifest, precompute_features
     from .objective import DFlashObjective
-    from .trainer import TauEvaluator, Trainer, TrainingArguments, backbone_parameters, write_model_card
+    from .trainer import (
+        TauEvaluator,
+        Trainer,
+        TrainingArguments,
+        backbone_parameters,
+        retrace_parameters,
+        write_model_card,
+    )
 
     target, tokenizer, target_path = _load_target(args.target, args.target_dtype)
     sequences = TokenizedDataset(args.data)
@@ -293,7 +333,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     features = None
     feature_fn = None
-    if args.features_dir:
+    if args.stage == "retrace":
+        mode = f"online, in the objective (verification: {args.verification})"
+    elif args.features_dir:
         layer_ids = drafter.config.target_layer_ids
         fm = features_manifest(args.features_dir)
         if fm is not None and fm.get("target_layer_ids") != layer_ids:
@@ -314,8 +356,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         prompt_ids = _eval_prompt_ids(args, tokenizer, sequences, holdout_indices)
         eval_fn = TauEvaluator(target, prompt_ids, max_new_tokens=args.eval_max_new_tokens, limit=args.eval_limit)
 
-    objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(),
-                                num_anchors=args.num_anchors, gamma=args.gamma)
+    if args.stage == "retrace":
+        from .retrace_stage import ReTraceObjective
+
+        objective = ReTraceObjective(drafter, target, num_anchors=args.num_anchors, gamma=args.gamma,
+                                     verification=args.verification)
+        param_filter = (lambda name: True) if args.joint else retrace_parameters
+    else:
+        objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(),
+                                    num_anchors=args.num_anchors, gamma=args.gamma)
+        param_filter = backbone_parameters
     targs = TrainingArguments(
         out_dir=str(out), batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm,
@@ -324,7 +374,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         seed=args.seed, num_workers=args.num_workers, progress=not args.no_progress,
         save_dtype=args.save_dtype, resume=args.resume,
     )
-    trainer = Trainer(objective, dataset, targs, feature_fn=feature_fn, param_filter=backbone_parameters,
+    trainer = Trainer(objective, dataset, targs, feature_fn=feature_fn, param_filter=param_filter,
                       eval_fn=eval_fn)
     # the target runs on the same device as the drafter
     target.to(trainer.accelerator.device)
