@@ -385,7 +385,7 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
         cmd_train(_train_args("--target", "no/such-model", "--data", str(data), "--out", str(out)))
     with pytest.raises(SystemExit, match="manifest"):
         cmd_train(_train_args("--target", "default", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")))
-    with pytest.raises(NotImplementedError, match="retrace"):
+    with pytest.raises(SystemExit, match="--init-from"):
         cmd_train(_train_args("--target", "default", "--data", str(data), "--out", str(tmp_path / "o3"),
                               "--stage", "retrace"))
     with pytest.raises(SystemExit, match="eval-prompts"):
