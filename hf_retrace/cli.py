@@ -10,16 +10,14 @@ from typing import Any
 DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
 
 
-def load_pair(target: str | None, drafter: str | None, dtype: str = "bf16", quantization: str | None = None):
-    """(target, tokenizer, drafter) from Hub ids / folders, or the embedded default when ``None``/"default"."""
+def load_target(target: str | None, dtype: str = "bf16", quantization: str | None = None):
+    """(target model, tokenizer) from a Hub id / folder, or the embedded default when ``None``/"default"."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from . import defaults
-    from .modeling import ReTraceDrafter
 
     torch_dtype = getattr(torch, DTYPES[dtype])
-    drafter_path = defaults.default_drafter_path() if drafter in (None, "default") else drafter
     if target in (None, "default"):
         print(f"[hf-retrace] target: {defaults.describe_default_target_source()}", file=sys.stderr)
         target = str(defaults.ensure_default_target())
@@ -30,9 +28,28 @@ def load_pair(target: str | None, drafter: str | None, dtype: str = "bf16", quan
         bits = {"8bit": dict(load_in_8bit=True), "4bit": dict(load_in_4bit=True, bnb_4bit_compute_dtype=torch_dtype)}
         kwargs |= {"quantization_config": BitsAndBytesConfig(**bits[quantization]), "device_map": "cpu"}
     model = AutoModelForCausalLM.from_pretrained(target, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(target)
-    draft_model = ReTraceDrafter.from_pretrained(drafter_path, dtype=torch_dtype).eval()
-    return model, tokenizer, draft_model
+    return model, AutoTokenizer.from_pretrained(target)
+
+
+def load_drafter(drafter: str | None, dtype: str = "bf16"):
+    """A drafter from a Hub id / folder, or the one shipped for the embedded default when ``None``/"default"."""
+    import torch
+
+    from . import defaults
+    from .modeling import ReTraceDrafter
+
+    path = defaults.default_drafter_path() if drafter in (None, "default") else drafter
+    return ReTraceDrafter.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype])).eval()
+
+
+def load_pair(target: str | None, drafter: str | None, dtype: str = "bf16", quantization: str | None = None):
+    """(target, tokenizer, drafter); ``None`` or "default" picks the embedded default for either."""
+    if drafter in (None, "default"):
+        from . import defaults
+
+        defaults.default_drafter_path()  # fail before the target is loaded when no drafter ships
+    model, tokenizer = load_target(target, dtype, quantization)
+    return model, tokenizer, load_drafter(drafter, dtype)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

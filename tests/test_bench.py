@@ -208,7 +208,8 @@ def test_bad_input_fails_before_any_model_loads(case, expected, assets, monkeypa
         raise AssertionError("a model was loaded before the input was checked")
 
     monkeypatch.setattr(runner, "load_models", no_load)
-    monkeypatch.setattr(cli, "load_pair", no_load)
+    monkeypatch.setattr(cli, "load_target", no_load)
+    monkeypatch.setattr(cli, "load_drafter", no_load)
     bad = assets["root"] / "bad.jsonl"
     bad.write_text(json.dumps({"text": "no prompt field here"}) + "\n")
     args = {"dataset": "gsm8k", "methods": "plain,dflash", "drafter": assets["drafter"]}

@@ -152,6 +152,39 @@ def test_greedy_logits_processors_match_plain(processor, target):
         assert len(pairs) == len(set(pairs))
 
 
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("case", ["eos_next", "continues"])
+def test_prompt_ending_in_eos(case, path, target):
+    """A prompt whose last token is the EOS still gets the target's first token (transformers 4.57's loop used to
+    commit nothing when the undrafted prefill's candidate already ended in EOS)."""
+    # cut a greedy text where the target's next token repeats the prompt's last one (eos_next), or does not (continues)
+    for seed in range(14, 40):
+        greedy = target.generate(_prompt(6, seed=seed), max_new_tokens=20, do_sample=False)[0].tolist()
+        cuts = [c for c in range(6, len(greedy)) if (greedy[c] == greedy[c - 1]) == (case == "eos_next")]
+        if cuts:
+            cut = cuts[0]
+            break
+    else:
+        pytest.fail(f"no place to build the {case} case from")
+    prompt = torch.tensor([greedy[:cut]])
+    eos = greedy[cut - 1]
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    reference = target.generate(prompt, **kwargs)
+    assert (reference.shape[1] == cut + 1) == (case == "eos_next")
+    drafter = tiny_drafter(target, block_size=4)
+    out = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert out.tolist() == reference.tolist()
+    assert drafter.last_stats.new_tokens == reference.shape[1] - cut
+    for mode in ("argmax", "sample"):  # sampled: the first token is still the target's own, drawn once
+        drafter.proposal_mode = mode
+        torch.manual_seed(0)
+        sampled = target.generate(prompt, assistant_model=drafter, max_new_tokens=1, do_sample=True,
+                                  eos_token_id=eos, pad_token_id=eos)
+        torch.manual_seed(0)
+        plain = target.generate(prompt, max_new_tokens=1, do_sample=True, eos_token_id=eos, pad_token_id=eos)
+        assert sampled.tolist() == plain.tolist()
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 6, 7, 13])
 def test_max_new_tokens(max_new_tokens, target, use_policy):
     prompt = _prompt(seed=5)

@@ -304,35 +304,13 @@ def _why_method_cannot_run(method: Method, config: Any) -> str | None:
 
 
 def load_models(plan: BenchPlan) -> tuple[Any, Any, dict[str, Any]]:
-    """(target, tokenizer, {drafter path: drafter}); the main drafter through ``cli.load_pair``."""
-    from ..cli import DTYPES, load_pair
-    from ..modeling import ReTraceDrafter
+    """(target, tokenizer, {drafter path: drafter}), loaded through the CLI's loaders."""
+    from ..cli import load_drafter, load_target
 
     spec = plan.spec
-    paths = list(dict.fromkeys(plan.drafter_paths.values()))
-    if not paths:
-        target, tokenizer = _load_target_alone(plan.target_path, spec.dtype, spec.quantization)
-        return target, tokenizer, {}
-    target, tokenizer, first = load_pair(plan.target_path, paths[0], spec.dtype, spec.quantization)
-    drafters = {paths[0]: first}
-    torch_dtype = getattr(torch, DTYPES[spec.dtype])
-    for path in paths[1:]:
-        drafters[path] = ReTraceDrafter.from_pretrained(path, dtype=torch_dtype).eval()
+    target, tokenizer = load_target(plan.target_path, spec.dtype, spec.quantization)
+    drafters = {path: load_drafter(path, spec.dtype) for path in dict.fromkeys(plan.drafter_paths.values())}
     return target, tokenizer, drafters
-
-
-def _load_target_alone(target: str, dtype: str, quantization: str | None):
-    """``load_pair``'s target half, for runs without a drafter method (plain and prompt lookup only)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
-    from ..cli import DTYPES
-
-    torch_dtype = getattr(torch, DTYPES[dtype])
-    kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if quantization:
-        bits = {"8bit": dict(load_in_8bit=True), "4bit": dict(load_in_4bit=True, bnb_4bit_compute_dtype=torch_dtype)}
-        kwargs |= {"quantization_config": BitsAndBytesConfig(**bits[quantization]), "device_map": "cpu"}
-    return AutoModelForCausalLM.from_pretrained(target, **kwargs).eval(), AutoTokenizer.from_pretrained(target)
 
 
 @dataclass

@@ -93,7 +93,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
     def get_candidates(self, input_ids: torch.LongTensor, model_outputs: Any = None, **kwargs: Any):
         """Return ``(prompt + committed + drafts, processed draft logits or None)``."""
         if not self.tap.has_window(model_outputs):  # the prefill has not run yet: let it run undrafted
-            return input_ids, None
+            return self._undrafted_prefill(input_ids), None
         started = time.perf_counter()
         cur_len = input_ids.shape[1]
         anchor_position = cur_len - 1  # the newest committed token; the target has no states for it yet
@@ -195,6 +195,18 @@ class ReTraceCandidateGenerator(CandidateGenerator):
                 token = logits[:, i].argmax(-1, keepdim=True)
             ids = torch.cat([ids, token], dim=-1)
         return ids[:, input_ids.shape[1] :], logits
+
+    def _undrafted_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The prompt alone; or, when it ends in an EOS token, the prompt plus that EOS as a placeholder draft.
+
+        transformers 4.57's loop runs the stopping criteria on the candidate before verifying it: a prompt ending in
+        EOS with no draft looks finished, ``n_matches`` becomes -1, nothing is committed and generation stops with no
+        new token. With one placeholder draft the same rule drops only the placeholder, so the loop commits exactly
+        the target's own first token (greedy or sampled); 5.x drops it too (its EOS crop). No other effect.
+        """
+        if self.eos_token_ids.numel() and bool(torch.isin(input_ids[0, -1].cpu(), self.eos_token_ids)):
+            return torch.cat([input_ids, input_ids[:, -1:]], dim=-1)
+        return input_ids
 
     def _cut_after_eos(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Drafts past an end-of-sequence token can never be committed: stop the block there."""
