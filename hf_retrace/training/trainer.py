@@ -594,6 +594,33 @@ class Trainer:
         return out
 
 
+def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                      checkpoint: str | os.PathLike[str] | None = None, dtype: str = "bfloat16") -> Path:
+    """Save the drafter of a run's checkpoint (default: the latest) as a ``from_pretrained`` folder.
+
+    For a run stopped before its end (killed, or cut short on purpose): the architecture comes from the run's
+    ``drafter_init.json``, the weights from ``checkpoints/step-N/model.safetensors``.
+    """
+    from safetensors.torch import load_file
+
+    from ..modeling import ReTraceDrafter
+
+    run_dir = Path(run_dir)
+    checkpoint = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint to export.")
+    config = ReTraceConfig.from_dict(json.loads((run_dir / "drafter_init.json").read_text())["config"])
+    state = {k.removeprefix("drafter."): v for k, v in load_file(str(checkpoint / "model.safetensors")).items()}
+    if any(k.startswith("retrace.") for k in state):
+        config.retrace = True
+    drafter = ReTraceDrafter(config)
+    drafter.load_state_dict(state, strict=True)
+    drafter.to(getattr(torch, dtype))
+    drafter.config.dtype = dtype
+    drafter.save_pretrained(out_dir, safe_serialization=True)
+    return Path(out_dir)
+
+
 def write_model_card(out_dir: str | os.PathLike[str], info: dict[str, Any]) -> Path:
     """README.md for a trained drafter: target, data, tokens, steps, time, measured τ, how to use it."""
     out = Path(out_dir)
