@@ -24,12 +24,15 @@ if [ "$STAGE" = backbone ]; then
   # One torch thread: with another process on the second core, two threads run 3-6x slower here.
   exec hf-retrace train --stage backbone --out runs/smollm2-dflash "${COMMON[@]}" --online \
     --block-size 16 --num-layers 3 --num-target-features 5 --draft-vocab-size 16384 \
-    --num-anchors 32 --gamma 7 --batch-size 1 --grad-accum 4 --lr 6e-4 --warmup-ratio 0.04 \
+    --num-anchors 32 --gamma 7 --batch-size 1 --grad-accum 2 --lr 6e-4 --warmup-ratio 0.04 \
     --epochs 0.5 --seed 0 --num-threads 1 --eval-every 200 --save-every 50 "$@"
 else
+  # The backbone run was cut at step 1000 of 1253 for time (the cosine tail) and exported first:
+  #   python -c "from hf_retrace.training.trainer import export_checkpoint as e; \
+  #              e('runs/smollm2-dflash', 'runs/smollm2-dflash/export')"
   # ReTrace: fusion module only, backbone frozen, exact verification signals.
   exec hf-retrace train --stage retrace --out runs/smollm2-retrace "${COMMON[@]}" \
-    --init-from runs/smollm2-dflash --verification exact \
+    --init-from runs/smollm2-dflash/export --verification exact \
     --num-anchors 16 --gamma 7 --batch-size 1 --grad-accum 4 --lr 1e-3 --warmup-ratio 0.04 \
-    --epochs 0.4 --seed 1 --num-threads 1 --eval-every 200 --save-every 50 "$@"
+    --max-steps 160 --seed 1 --num-threads 1 --eval-every 0 --save-every 20 "$@"
 fi

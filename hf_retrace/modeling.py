@@ -221,6 +221,20 @@ class ReTraceDrafter(PreTrainedModel):
             raise ValueError(f"proposal_mode must be 'argmax' or 'sample', got {mode!r}.")
         self.config.proposal_mode = mode
 
+    @property
+    def generation_config(self):
+        # transformers' stock assistant path reads this first: reaching it means our dispatch was bypassed
+        raise AttributeError(
+            "ReTraceDrafter has no generation_config: transformers treated it as a stock assistant model, so the "
+            "hf_retrace dispatch is not active for this target. `import hf_retrace` (without "
+            "HF_RETRACE_NO_GLOBAL_PATCH=1), or call `hf_retrace.attach(target)` first."
+        )
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:  # PreTrainedModel.__init__ assigns None for non-generative models
+        if value is not None:
+            raise AttributeError("ReTraceDrafter has no generation_config; generation settings belong to the target.")
+
     def generate(self, *args, **kwargs):
         raise TypeError(
             "ReTraceDrafter drafts for a target model and cannot generate on its own. Pass it to the target instead: "

@@ -29,14 +29,6 @@ VOCAB = 96
 PATHS = ["model_outputs", "hooks"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny forwards: one intra-op thread is fastest and does not stall when another job holds a core."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 @pytest.fixture(scope="module")
 def target():
@@ -338,6 +330,7 @@ OPT_IN_SCRIPT = textwrap.dedent(
     assert drafter.last_stats is not None and drafter.last_stats.rounds > 0, "attached target: drafter unused"
     error = refused(other, tiny_drafter(other))
     assert error is not None, "a target that was never attached used the drafter"
+    assert "hf_retrace.attach(target)" in error, error  # the message says what to do
     print("NOT ATTACHED:", error)
     stats = drafter.last_stats
     assert hf_retrace.detach(attached) is attached

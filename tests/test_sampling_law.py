@@ -89,16 +89,6 @@ def law_battery(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 
 # --- samples ------------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Thousands of tiny forwards: one intra-op thread is fastest, and stays fast when another job holds a core
-    (two threads then spin-wait on each other: ~25x slower measured)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def target():
     return tiny_target(vocab_size=VOCAB, num_layers=2, hidden_size=32, seed=0, logit_scale=20.0)

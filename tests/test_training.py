@@ -43,13 +43,6 @@ from hf_retrace.training.trainer import (
 VOCAB, CYCLE, EOS, PAD = 48, 40, 47, 46
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def counting(start: int, length: int) -> torch.Tensor:
     return (start + torch.arange(length)) % CYCLE
