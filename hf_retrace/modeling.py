@@ -221,19 +221,25 @@ class ReTraceDrafter(PreTrainedModel):
             raise ValueError(f"proposal_mode must be 'argmax' or 'sample', got {mode!r}.")
         self.config.proposal_mode = mode
 
+    _NO_GENERATION_CONFIG = (
+        "hf_retrace's dispatch is not active for this target, so transformers treated the drafter as a stock "
+        "assistant: call `hf_retrace.attach(target)` first (or import hf_retrace without HF_RETRACE_NO_GLOBAL_PATCH=1)."
+    )
+
     @property
     def generation_config(self):
         # transformers' stock assistant path reads this first: reaching it means our dispatch was bypassed
-        raise AttributeError(
-            "ReTraceDrafter has no generation_config: transformers treated it as a stock assistant model, so the "
-            "hf_retrace dispatch is not active for this target. `import hf_retrace` (without "
-            "HF_RETRACE_NO_GLOBAL_PATCH=1), or call `hf_retrace.attach(target)` first."
-        )
+        raise AttributeError(self._NO_GENERATION_CONFIG)
 
     @generation_config.setter
-    def generation_config(self, value) -> None:  # PreTrainedModel.__init__ assigns None for non-generative models
+    def generation_config(self, value) -> None:  # transformers 4.x assigns None for non-generative models
         if value is not None:
             raise AttributeError("ReTraceDrafter has no generation_config; generation settings belong to the target.")
+
+    def __getattr__(self, name: str):
+        if name == "generation_config":  # a property raising AttributeError falls back here: keep its message
+            raise AttributeError(self._NO_GENERATION_CONFIG)
+        return super().__getattr__(name)
 
     def generate(self, *args, **kwargs):
         raise TypeError(
