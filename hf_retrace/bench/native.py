@@ -13,6 +13,7 @@ two inputs differ:
 ``norm.weight``                         ``norm.weight``
 ``mask_embedding`` (learned mask)       none: a forward pre-hook puts it into ``noise_embeds``
 ``retrace.*``                           none: the native path has no ReTrace
+``draft_vocab`` (draft vocabulary)      none: the native path scores every ``lm_head`` row
 =====================================  =====================================
 
 transformers' ``DFlashTokenCandidateGenerator`` embeds ``[anchor, mask_token_id x (B-1)]`` with the target's table.
@@ -43,7 +44,7 @@ _RENAMES = (
     (re.compile(r"^(layers\.\d+\.(self_attn\.[qkvo]_proj|self_attn\.[qk]_norm|mlp\.(gate|up|down)_proj"
                 r"|input_layernorm|post_attention_layernorm)\.weight)$"), r"\1"),
 )
-_DROPPED = re.compile(r"^(mask_embedding|retrace\..*)$")
+_DROPPED = re.compile(r"^(mask_embedding|retrace\..*)$|draft_vocab$")
 
 
 def native_dflash_unavailable_reason(drafter_config: Any = None) -> str | None:
