@@ -126,7 +126,7 @@ class ReTraceConfig(PretrainedConfig):
         self.retrace_hidden_size = retrace_hidden_size or hidden_size
         self.retrace_ablation = retrace_ablation
         super().__init__(tie_word_embeddings=False, **kwargs)
-        self.validate_drafter_fields()
+        # validated when a drafter is built: transformers instantiates a default config to diff against
 
     def validate_drafter_fields(self) -> None:
         """Raise a ValueError that says what to fix when the DFlash fields cannot describe a working drafter."""

@@ -166,6 +166,7 @@ class ReTraceDrafter(PreTrainedModel):
     _hf_retrace_drafter = True  # the dispatch marker read by hf_retrace.generation.dispatch
 
     def __init__(self, config: ReTraceConfig):
+        config.validate_drafter_fields()
         super().__init__(config)
         num_features = len(config.target_layer_ids)
         self.layers = nn.ModuleList([DrafterLayer(config, i) for i in range(config.num_hidden_layers)])

@@ -220,6 +220,6 @@ def test_learned_mask_embedding_drafter_generates_losslessly(tmp_path):
 
 def test_config_without_mask_or_layers_is_refused():
     with pytest.raises(ValueError, match="mask_token_id"):
-        ReTraceConfig(target_layer_ids=[1], mask_token_id=None)
+        ReTraceDrafter(ReTraceConfig(target_layer_ids=[1], mask_token_id=None, num_hidden_layers=1))
     with pytest.raises(ValueError, match="target_layer_ids"):
-        ReTraceConfig(mask_token_id=3, target_layer_ids=None)
+        ReTraceDrafter(ReTraceConfig(mask_token_id=3, target_layer_ids=None, num_hidden_layers=1))
