@@ -1,38 +1,59 @@
 #!/usr/bin/env bash
-# The exact commands of the project's real runs for the default target SmolLM2-135M-Instruct (bf16), trained on the
-# target's own greedy answers (/work/shared/data/target/, tokenized into work_data/smollm2-tokenized), never on dev/.
-# tau is measured by real generate on held-out train prompts (work_data/eval-prompts-heldout.jsonl).
-# Both stages are resumable: run the same command again after a kill.
+# The exact commands of the real run behind the shipped drafter for SmolLM2-135M-Instruct, on a 2-core CPU.
+# Trained on the target's own greedy answers to training prompts (never dev/); every step resumes after a kill.
 #
-#   nohup bash examples/train_smollm2_drafter.sh backbone > runs/smollm2-dflash/train.log 2>&1 &
-#   nohup bash examples/train_smollm2_drafter.sh retrace  > runs/smollm2-retrace/train.log 2>&1 &
+#   HF_RETRACE_TARGET_ANSWERS=path/to/smollm2-135m-instruct-greedy.jsonl \
+#     nohup bash examples/train_smollm2_drafter.sh all > ~/.cache/hf_retrace_runs/train.log 2>&1 &
+#
+# Work (tokenized data, features, checkpoints) goes to $HF_RETRACE_RUNS (default ~/.cache/hf_retrace_runs),
+# outside the work tree. Steps: tokenize | features | backbone | export | calibrate | all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:-backbone}
+STEP=${1:-all}
 shift || true
-if [ ! -f work_data/smollm2-tokenized/manifest.json ]; then
-  hf-retrace data tokenize --target default --responses /work/shared/data/target/smollm2-135m-instruct-greedy.jsonl \
-    --out work_data/smollm2-tokenized --max-length 1024
-fi
-COMMON=(--target default --data work_data/smollm2-tokenized --bf16 --target-dtype bfloat16 --save-dtype bfloat16
-        --eval-prompts work_data/eval-prompts-heldout.jsonl --eval-limit 5 --eval-max-new-tokens 64
-        --keep-checkpoints 2 --resume)
-if [ "$STAGE" = backbone ]; then
-  # DFlash backbone: block 16, 3 layers, 5 tapped target layers, drafting over the 16384 most frequent response
-  # tokens. Features online: on this 2-core CPU the target forward runs at ~1k tok/s, so one pass over more
-  # sequences beats precomputing (25+ min for 1.6M tokens) and repeating fewer (--features-dir DIR does that).
-  # One torch thread: with another process on the second core, two threads run 3-6x slower here.
-  exec hf-retrace train --stage backbone --out runs/smollm2-dflash "${COMMON[@]}" --online \
-    --block-size 16 --num-layers 3 --num-target-features 5 --draft-vocab-size 16384 \
-    --num-anchors 32 --gamma 7 --batch-size 1 --grad-accum 2 --lr 6e-4 --warmup-ratio 0.04 \
-    --epochs 0.5 --seed 0 --num-threads 1 --eval-every 200 --save-every 50 "$@"
-else
-  # The backbone run was cut at step 1000 of 1253 for time (the cosine tail) and exported first:
-  #   python -c "from hf_retrace.training.trainer import export_checkpoint as e; \
-  #              e('runs/smollm2-dflash', 'runs/smollm2-dflash/export')"
-  # ReTrace: fusion module only, backbone frozen, exact verification signals.
-  exec hf-retrace train --stage retrace --out runs/smollm2-retrace "${COMMON[@]}" \
-    --init-from runs/smollm2-dflash/export --verification exact \
-    --num-anchors 16 --gamma 7 --batch-size 1 --grad-accum 4 --lr 1e-3 --warmup-ratio 0.04 \
-    --max-steps 160 --seed 1 --num-threads 1 --eval-every 0 --save-every 20 "$@"
-fi
+RUNS=${HF_RETRACE_RUNS:-$HOME/.cache/hf_retrace_runs}
+TOK=$RUNS/tok
+FEATS=$RUNS/feats5
+RUN=$RUNS/b8-l1-v8960
+SEQUENCES=${SEQUENCES:-2048}   # sequences trained on (the features of the first ones are enough to start)
+mkdir -p "$RUNS"
+
+tokenize() {
+  : "${HF_RETRACE_TARGET_ANSWERS:?set it to the JSONL of the target's own answers (fields prompt, response)}"
+  [ -f "$TOK/manifest.json" ] || hf-retrace data tokenize --target default \
+      --responses "$HF_RETRACE_TARGET_ANSWERS" --out "$TOK" --max-length 1024
+}
+features() {
+  # float32 forward (2.5x faster than bf16 on CPUs without bf16 units), bf16 on disk (5.8 KB a token).
+  # Resumable per 256-sequence shard; training may start once the first SEQUENCES are covered.
+  hf-retrace data features --target default --data "$TOK" --out "$FEATS" --target-layer-ids 1,8,14,20,27 \
+      --dtype float32 --storage-dtype bfloat16 --max-batch-tokens 4096 "$@"
+}
+backbone() {
+  # 1 layer, block 8, decay gamma 4, draft vocabulary = the 8,960 most frequent response tokens (99.0 % of them),
+  # fp32 (no bf16 units on this CPU), both cores; tau on 16 held-out training sequences as it trains.
+  hf-retrace train --stage backbone --target default --data "$TOK" --features-dir "$FEATS" \
+      --max-sequences "$SEQUENCES" --holdout 16 --out "$RUN" --resume \
+      --block-size 8 --num-layers 1 --target-layer-ids 1,8,14,20,27 --draft-vocab-size 8960 \
+      --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 --lr 1e-3 --warmup-ratio 0.02 \
+      --epochs "${EPOCHS:-8}" --num-threads 2 --seed 0 --target-dtype bfloat16 --save-dtype bfloat16 \
+      --eval-every 500 --eval-limit 6 --eval-max-new-tokens 64 --save-every 200 --keep-checkpoints 2 "$@"
+}
+export_run() {
+  # a run stopped before its last step: export its latest checkpoint as a from_pretrained folder
+  python -c "from hf_retrace.training.trainer import export_checkpoint as e; e('$RUN', '$RUN/export')"
+}
+calibrate() {
+  # the adaptive block's threshold, on training sequences the run never saw (its features stop at SEQUENCES)
+  hf-retrace calibrate --target default --drafter "${DRAFTER:-$RUN/export}" --data "$TOK" --sequences 4900:4932 \
+      --limit 24 --max-new-tokens 96 --num-threads 2 --json "$RUNS/calibration.json" --write "$@"
+}
+case "$STEP" in
+  tokenize) tokenize ;;
+  features) features "$@" ;;
+  backbone) backbone "$@" ;;
+  export) export_run ;;
+  calibrate) calibrate "$@" ;;
+  all) tokenize; features --limit "$SEQUENCES"; backbone "$@"; export_run; calibrate ;;
+  *) echo "unknown step $STEP (tokenize | features | backbone | export | calibrate | all)" >&2; exit 2 ;;
+esac

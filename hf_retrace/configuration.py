@@ -38,6 +38,12 @@ class ReTraceConfig(PretrainedConfig):
     ``retrace_trained`` whether its weights were trained, ``use_retrace`` turns it on or off at run time (``None``:
     on exactly when trained), ``retrace_ablation`` selects one of ``RETRACE_ABLATIONS``.
 
+    Round shape (ours): ``draft_confidence_threshold`` cuts a block after the first slot whose top draft probability
+    falls below it (``None``: full blocks; the shipped drafter carries a value calibrated on training prompts).
+    ``lookup`` adds context lookup as a second source: a round whose newest ``lookup_min_ngram``..``lookup_max_ngram``
+    tokens occurred earlier in the context proposes up to ``lookup_num_tokens`` tokens that followed them, and
+    skips the drafter forward.
+
     Example::
 
         config = ReTraceConfig(hidden_size=576, num_hidden_layers=2, num_attention_heads=9, num_key_value_heads=3,
@@ -75,6 +81,11 @@ class ReTraceConfig(PretrainedConfig):
         use_retrace: bool | None = None,
         retrace_hidden_size: int | None = None,
         retrace_ablation: str = "full",
+        draft_confidence_threshold: float | None = None,
+        lookup: bool = False,
+        lookup_min_ngram: int = 2,
+        lookup_max_ngram: int = 4,
+        lookup_num_tokens: int = 10,
         **kwargs: Any,
     ):
         # z-lab layouts: the DFlash fields may sit in a nested `dflash_config`
@@ -125,6 +136,11 @@ class ReTraceConfig(PretrainedConfig):
         self.use_retrace = use_retrace
         self.retrace_hidden_size = retrace_hidden_size or hidden_size
         self.retrace_ablation = retrace_ablation
+        self.draft_confidence_threshold = draft_confidence_threshold
+        self.lookup = bool(lookup)
+        self.lookup_min_ngram = int(lookup_min_ngram)
+        self.lookup_max_ngram = int(lookup_max_ngram)
+        self.lookup_num_tokens = int(lookup_num_tokens)
         super().__init__(tie_word_embeddings=False, **kwargs)
         # validated when a drafter is built: transformers instantiates a default config to diff against
 
@@ -144,6 +160,19 @@ class ReTraceConfig(PretrainedConfig):
             )
         if self.retrace_ablation not in RETRACE_ABLATIONS:
             raise ValueError(f"retrace_ablation must be one of {RETRACE_ABLATIONS}, got {self.retrace_ablation!r}.")
+        threshold = self.draft_confidence_threshold
+        if threshold is not None and not 0.0 <= threshold < 1.0:
+            raise ValueError(
+                f"draft_confidence_threshold must be in [0, 1) (the drafter's own top probability below which a block "
+                f"is cut) or None for full blocks, got {threshold!r}."
+            )
+        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
+            raise ValueError(
+                f"lookup needs 1 <= lookup_min_ngram <= lookup_max_ngram, got {self.lookup_min_ngram} and "
+                f"{self.lookup_max_ngram}."
+            )
+        if self.lookup_num_tokens < 1:
+            raise ValueError(f"lookup_num_tokens must be at least 1, got {self.lookup_num_tokens}.")
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}."

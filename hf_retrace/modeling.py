@@ -100,12 +100,11 @@ class DrafterAttention(nn.Module):
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
         if past_key_values is not None:
             k, v = past_key_values.update(k, v, self.layer_idx)
-        if self.num_kv_heads != self.num_heads:
-            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
         if self.sliding_window is not None and attention_mask is None:
             attention_mask = sliding_window_mask(q_len, k.shape[2], self.sliding_window, q.device)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False)
+        # grouped K/V heads are shared inside SDPA (no repeat_interleave copy of the cache every round)
+        gqa = self.num_kv_heads != self.num_heads
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask, is_causal=False, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 

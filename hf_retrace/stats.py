@@ -29,6 +29,10 @@ class GenerationStats:
     rounds_with_fused_suffix: int = 0
     kept_tokens: int = 0
     kept_tokens_committed: int = 0
+    # rounds whose block came from context lookup instead of the drafter (hybrid mode; 0 otherwise)
+    lookup_rounds: int = 0
+    # per drafter round, the drafter's top probability at each drafted slot (recorded when the adaptive block is on)
+    slot_confidences: list[list[float]] = field(default_factory=list)
     # per round: (accepted, drafted, fused) for the demo's colouring
     round_log: list[tuple[int, int, bool]] = field(default_factory=list)
 
@@ -57,8 +61,9 @@ class GenerationStats:
         """How often a kept rejected token equals the token the target finally committed at its position."""
         return self.kept_tokens_committed / self.kept_tokens if self.kept_tokens else 0.0
 
-    def record_round(self, drafted: int, accepted: int, fused: bool) -> None:
+    def record_round(self, drafted: int, accepted: int, fused: bool, source: str = "drafter") -> None:
         self.rounds += 1
+        self.lookup_rounds += int(source == "lookup")
         self.acceptance_lengths.append(accepted + 1)
         self.draft_lengths.append(drafted)
         self.rounds_with_fused_suffix += int(fused)
@@ -83,6 +88,7 @@ class GenerationStats:
             "kept_suffix_rate": self.kept_suffix_rate,
             "kept_token_commit_rate": self.kept_token_commit_rate,
             "rounds_with_fused_suffix": self.rounds_with_fused_suffix,
+            "lookup_rounds": self.lookup_rounds,
         }
 
 

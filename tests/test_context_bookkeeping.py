@@ -27,12 +27,16 @@ def _record_contexts(drafter):
 
 @pytest.mark.parametrize("path", ["model_outputs", "hooks"])
 @pytest.mark.parametrize("policy", ["drafter", "partial", "all"])
-def test_context_rows_equal_fresh_forward_at_committed_positions(path, policy, monkeypatch, use_policy):
+@pytest.mark.parametrize("rounds", ["drafter", "hybrid"])
+def test_context_rows_equal_fresh_forward_at_committed_positions(path, policy, rounds, monkeypatch, use_policy):
+    """Also when lookup rounds skip the drafter (hybrid): their rows reach the drafter at its next round, in order."""
     if path == "hooks":
         monkeypatch.setattr(target_features, "loop_hands_model_outputs", lambda: False)
     target = tiny_target(seed=3, logit_scale=4.0)
     layer_ids = [0, 2, 3]  # includes the last layer: transformers reports it after the final norm
     drafter = tiny_drafter(target, block_size=5, target_layer_ids=layer_ids)
+    if rounds == "hybrid":  # 1-gram matches: lookup wins many rounds, the drafter the others
+        drafter.config.lookup, drafter.config.lookup_min_ngram, drafter.config.lookup_num_tokens = True, 1, 3
     prompt = torch.randint(0, 95, (1, 11), generator=torch.Generator().manual_seed(5))
     reference = target.generate(prompt, max_new_tokens=40, do_sample=False)
     if policy != "drafter":
@@ -58,7 +62,14 @@ def test_context_rows_equal_fresh_forward_at_committed_positions(path, policy, m
         torch.testing.assert_close(target_hidden[0], fresh_features[ctx_positions], rtol=1e-9, atol=1e-9)
         next_position += num_ctx
     assert received, "the drafter was never called"
-    assert received[0][0].shape[1] == prompt.shape[1], "first context must be the whole prompt"
+    assert next_position <= out.shape[1] - 1
+    stats = drafter.last_stats
+    if rounds == "hybrid":
+        assert 0 < stats.lookup_rounds < stats.rounds, "the hybrid case must switch sources"
+        assert received[0][0].shape[1] >= prompt.shape[1], "first context must start with the whole prompt"
+    else:
+        assert stats.lookup_rounds == 0
+        assert received[0][0].shape[1] == prompt.shape[1], "first context must be the whole prompt"
 
 
 def test_rejected_rows_never_enter_the_context(use_policy):

@@ -99,3 +99,86 @@ def test_bad_proposal_mode(target):
     drafter = tiny_drafter(target)
     with pytest.raises(ValueError, match="'argmax' or 'sample'"):
         drafter.proposal_mode = "beam"
+
+
+@pytest.mark.parametrize("setting", [{"prompt_lookup_num_tokens": 10}, {"assistant_early_exit": 2}])
+def test_drafter_with_another_speculation_setting(target, prompt, count_forwards, setting):
+    """A drafter plus another speculation setting is refused (it used to be silently preferred)."""
+    drafter = tiny_drafter(target)
+    name = next(iter(setting))
+    _refused(target, count_forwards, f"another speculation setting \\({name}=", input_ids=prompt,
+             assistant_model=drafter, max_new_tokens=4, **setting)
+
+
+def test_uninstall_removes_only_our_own_layer(target, prompt):
+    """A third-party wrapper made with functools.wraps (which copies our marker) survives uninstall()."""
+    import functools
+
+    from transformers import GenerationMixin
+
+    from hf_retrace.generation import dispatch
+
+    name = "_get_candidate_generator"
+    ours = GenerationMixin.__dict__[name]
+    calls = {"n": 0}
+
+    @functools.wraps(ours)
+    def third_party(self, *args, **kwargs):
+        calls["n"] += 1
+        return ours(self, *args, **kwargs)
+
+    setattr(GenerationMixin, name, third_party)
+    try:
+        with pytest.warns(UserWarning, match="wrapped by another library"):
+            assert dispatch.uninstall() is False
+        assert GenerationMixin.__dict__[name] is third_party, "uninstall removed another library's wrapper"
+        drafter = tiny_drafter(target)
+        reference = target.generate(prompt, max_new_tokens=8, do_sample=False)
+        out = target.generate(prompt, assistant_model=drafter, max_new_tokens=8, do_sample=False)
+        assert out.tolist() == reference.tolist() and calls["n"] == 1 and drafter.last_stats is not None
+    finally:
+        setattr(GenerationMixin, name, ours)
+        dispatch.install()
+    assert dispatch.uninstall() is True
+    assert not hasattr(GenerationMixin.__dict__[name], dispatch._WRAPPED)
+    dispatch.install()
+    assert GenerationMixin.__dict__[name] is not ours and id(GenerationMixin.__dict__[name]) in dispatch._OURS
+
+
+@pytest.mark.parametrize("where", ["drafter", "target"])
+def test_an_exception_at_round_k_leaves_no_hooks_and_the_next_call_is_plain(where, monkeypatch):
+    """On the hooks path (transformers 4.57), hooks go in a finally on every exit path, not at garbage collection."""
+    import gc
+
+    from hf_retrace.generation import target_features
+
+    monkeypatch.setattr(target_features, "loop_hands_model_outputs", lambda: False)
+    target = tiny_target(seed=7, logit_scale=4.0)
+    drafter = tiny_drafter(target, block_size=4)
+    prompt = torch.randint(0, 95, (1, 8), generator=torch.Generator().manual_seed(1))
+    reference = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    layers = target_features.decoder_layers(target)
+    module = drafter if where == "drafter" else target
+    calls = {"n": 0}
+    original = module.forward
+
+    def failing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom at round 3")
+        return original(*args, **kwargs)
+
+    module.forward = failing
+    gc.disable()  # hooks must not depend on the generator being collected
+    try:
+        with pytest.raises(RuntimeError, match="boom at round 3") as raised:
+            target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False)
+        # the caller still holds the traceback (and with it the generator): the hooks must be gone anyway
+        assert raised.tb is not None
+        assert all(len(layer._forward_hooks) == 0 for layer in layers), "hooks survived the exception"
+    finally:
+        gc.enable()
+        del module.forward
+    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False)
+    assert out.tolist() == reference.tolist()
+    assert all(len(layer._forward_hooks) == 0 for layer in layers)

@@ -34,6 +34,11 @@ def _case(index: int) -> dict:
         eos_inside=rng.random() < 0.3,
         draft_vocab_size=rng.choice([None, None, 48]),
         seed=index,
+        # round shape: the adaptive block cut, and context lookup rounds mixed with drafter rounds
+        confidence_threshold=rng.choice([None, None, 0.2, 0.6, 0.95]),
+        lookup=rng.random() < 0.3,
+        lookup_min_ngram=rng.choice([1, 2]),
+        lookup_num_tokens=rng.choice([1, 4, 12]),
     )
 
 
@@ -59,6 +64,9 @@ def test_greedy_output_equals_plain_greedy(index, use_policy):
         seed=case["seed"],
         draft_vocab_size=case["draft_vocab_size"],
     )
+    drafter.config.draft_confidence_threshold = case["confidence_threshold"]
+    drafter.config.lookup = case["lookup"]
+    drafter.config.lookup_min_ngram, drafter.config.lookup_num_tokens = case["lookup_min_ngram"], case["lookup_num_tokens"]
     if case["policy"] != "drafter":
         use_policy(ProposalPolicy(reference, case["policy"], target.config.vocab_size, seed=case["seed"]))
     out = target.generate(prompt, assistant_model=drafter, **kwargs)
@@ -69,9 +77,13 @@ def test_greedy_output_equals_plain_greedy(index, use_policy):
     assert sum(stats.acceptance_lengths) <= stats.new_tokens - 1 or stats.new_tokens == 1
     if max_new > 2 and "eos_token_id" not in kwargs:
         assert stats.rounds >= 1
-    if case["policy"] == "all" and "eos_token_id" not in kwargs and max_new > case["block_size"]:
+    if not case["lookup"]:
+        assert stats.lookup_rounds == 0
+        assert all(d <= case["block_size"] - 1 for d in stats.draft_lengths)
+    plain_rounds = not case["lookup"] and case["confidence_threshold"] is None
+    if plain_rounds and case["policy"] == "all" and "eos_token_id" not in kwargs and max_new > case["block_size"]:
         assert stats.acceptance_lengths[0] == case["block_size"], "a fully right block must be fully accepted"
-    if case["policy"] == "none":
+    if case["policy"] == "none" and not case["lookup"]:
         assert all(length == 1 for length in stats.acceptance_lengths)
 
 
@@ -85,3 +97,5 @@ def test_cases_cover_the_required_shapes():
     assert any(c["max_new_tokens"] == c["block_size"] + 1 for c in cases)
     assert {c["family"] for c in cases} == {"qwen3", "llama"}
     assert sum(c["draft_vocab_size"] is not None for c in cases) >= 30
+    assert sum(c["lookup"] for c in cases) >= 40
+    assert sum(c["confidence_threshold"] is not None for c in cases) >= 60

@@ -44,6 +44,11 @@ ARMS = [  # drafter seeds chosen so that drafts really get accepted (the rejecti
     ("sample", "untempered", None, 5),
     ("sample", "warped", "random", 1),
 ]
+# the hybrid: context-lookup rounds (1-gram matches, so they are frequent here) mixed with drafter rounds in one call
+LOOKUP_ARMS = [
+    ("argmax", "untempered", "random", 1),
+    ("sample", "warped", None, 5),
+]
 SHIFTED_TEMPERATURE = 1.3  # the power check's "slightly wrong" sampler
 
 
@@ -94,11 +99,25 @@ def target():
     return tiny_target(vocab_size=VOCAB, num_layers=2, hidden_size=32, seed=0, logit_scale=20.0)
 
 
-def _plain_samples(target, n: int, seed: int, **sampling) -> np.ndarray:
+def _plain_samples(target, n: int, seed: int, prompt: torch.Tensor = PROMPT, **sampling) -> np.ndarray:
     torch.manual_seed(seed)
-    out = target.generate(PROMPT.repeat(n, 1), do_sample=True, max_new_tokens=MAX_NEW, **sampling)
-    assert out.shape == (n, PROMPT.shape[1] + MAX_NEW)
-    return out[:, PROMPT.shape[1] :].numpy()
+    out = target.generate(prompt.repeat(n, 1), do_sample=True, max_new_tokens=MAX_NEW, **sampling)
+    assert out.shape == (n, prompt.shape[1] + MAX_NEW)
+    return out[:, prompt.shape[1] :].numpy()
+
+
+def lookup_prompt(target) -> torch.Tensor:
+    """PROMPT, the target's greedy continuation of it, PROMPT again: lookup then proposes likely tokens."""
+    greedy = target.generate(PROMPT, do_sample=False, max_new_tokens=6)
+    return torch.cat([greedy, PROMPT], dim=1)
+
+
+@pytest.fixture(scope="module")
+def plain_lookup(target):
+    """Plain sampling after the lookup arms' prompt, per warper set (seeded)."""
+    prompt = lookup_prompt(target)
+    return {name: _plain_samples(target, N_PLAIN, seed=400 + i, prompt=prompt, **kw)
+            for i, (name, kw) in enumerate(WARPERS.items())}
 
 
 @pytest.fixture(scope="module")
@@ -122,24 +141,30 @@ def assisted(target):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ReTraceCandidateGenerator, "_propose", recording_propose)
-        for arm_index, (mode, warp, retrace, drafter_seed) in enumerate(ARMS):
+        arms = [(*arm, False) for arm in ARMS] + [(*arm, True) for arm in LOOKUP_ARMS]
+        for arm_index, (mode, warp, retrace, drafter_seed, lookup) in enumerate(arms):
             drafter = tiny_drafter(target, block_size=BLOCK_SIZE, seed=drafter_seed, retrace=retrace)
             drafter.proposal_mode = mode
+            drafter.config.lookup, drafter.config.lookup_min_ngram = lookup, 2
+            prompt = lookup_prompt(target) if lookup else PROMPT
+            lookup_rounds = 0
             first_drafts.clear()
             tokens = np.empty((N_ASSISTED, MAX_NEW), dtype=np.int64)
             rounds = accepted = full_blocks = fused = 0
             torch.manual_seed(1000 + arm_index)
             for i in range(N_ASSISTED):
                 out = target.generate(
-                    PROMPT, assistant_model=drafter, do_sample=True, max_new_tokens=MAX_NEW, **WARPERS[warp]
+                    prompt, assistant_model=drafter, do_sample=True, max_new_tokens=MAX_NEW, **WARPERS[warp]
                 )
-                tokens[i] = out[0, PROMPT.shape[1] :].numpy()
+                tokens[i] = out[0, prompt.shape[1] :].numpy()
                 stats = drafter.last_stats
                 rounds += stats.rounds
                 accepted += sum(length - 1 for length in stats.acceptance_lengths)
                 full_blocks += sum(a == d and d > 0 for a, d, _ in stats.round_log)
                 fused += stats.rounds_with_fused_suffix
-            results[(mode, warp)] = dict(
+                lookup_rounds += stats.lookup_rounds
+            results[(mode, warp, "lookup") if lookup else (mode, warp)] = dict(
+                lookup_rounds=lookup_rounds,
                 tokens=tokens,
                 first_drafts=np.array(first_drafts),
                 rounds=rounds,
@@ -163,6 +188,17 @@ def test_assisted_sampling_follows_the_target_law(mode, warp, assisted, plain):
         assert arm["fused"] > 0, "the ReTrace arm never fused a rejected suffix"
     pvalues = law_battery(arm["tokens"], plain[warp])
     assert min(pvalues.values()) > ALPHA, f"{mode}/{warp}: assisted sampling departs from plain sampling: {pvalues}"
+
+
+@pytest.mark.parametrize("mode,warp", [(m, w) for m, w, _, _ in LOOKUP_ARMS])
+def test_hybrid_sampling_follows_the_target_law(mode, warp, assisted, plain_lookup):
+    """Rounds that switch between context lookup and the drafter inside one call keep the target's law."""
+    arm = assisted[(mode, warp, "lookup")]
+    summary = {k: arm[k] for k in ("rounds", "lookup_rounds", "accepted", "full_blocks")}
+    assert 0.1 * arm["rounds"] < arm["lookup_rounds"] < 0.9 * arm["rounds"], f"both sources must draft: {summary}"
+    assert arm["accepted"] > 0.1 * N_ASSISTED and arm["full_blocks"] > 0, summary
+    pvalues = law_battery(arm["tokens"], plain_lookup[warp])
+    assert min(pvalues.values()) > ALPHA, f"hybrid {mode}/{warp}: departs from plain sampling: {pvalues}"
 
 
 def test_warpers_shape_the_law(assisted, plain):

@@ -385,3 +385,21 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
         cmd_train(_train_args("--target", "default", "--data", str(data), "--out", str(tmp_path / "o4"),
                               "--eval-prompts", str(tmp_path / "missing.jsonl")))
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_label_cross_entropy_equals_torch_cross_entropy_with_gradients():
+    from hf_retrace.training.objective import label_cross_entropy
+
+    torch.manual_seed(0)
+    weight = torch.randn(50, 16, dtype=torch.float64)
+    bias = torch.randn(50, dtype=torch.float64)
+    labels = torch.randint(0, 50, (30,))
+    for b in (None, bias):
+        rows_a = torch.randn(30, 16, dtype=torch.float64, requires_grad=True)
+        rows_b = rows_a.detach().clone().requires_grad_(True)
+        ours = label_cross_entropy(torch.nn.functional.linear(rows_a, weight, b), rows_a, weight, b, labels)
+        ref = torch.nn.functional.cross_entropy(torch.nn.functional.linear(rows_b, weight, b), labels, reduction="none")
+        torch.testing.assert_close(ours, ref)
+        (ours * torch.arange(30)).sum().backward()
+        (ref * torch.arange(30)).sum().backward()
+        torch.testing.assert_close(rows_a.grad, rows_b.grad)

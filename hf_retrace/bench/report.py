@@ -46,8 +46,8 @@ def markdown_report(report: dict[str, Any]) -> str:
         "ideal = τ_round/(1+c+ε).",
         "",
         "| dataset | T | method | τ per request (per round) | tok/s | speed-up | c | ε | speed-up/ideal | "
-        "kept suffix | kept→committed | T=0 mismatches |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "drafted/round | lookup rounds | kept suffix | kept→committed | T=0 mismatches |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in report["rows"]:
         tau = f"{_fmt(row['tau'])} ({_fmt(row['tau_per_round'])})" if row["method"] != "plain" else "1"
@@ -55,7 +55,8 @@ def markdown_report(report: dict[str, Any]) -> str:
             f"| {row['dataset']} | {row['temperature']:g} | {row['method']} | {tau} | "
             f"{_fmt(row['tokens_per_second'], '.1f')} | {_fmt(row['speedup'], '.2f', '×')} | "
             f"{_fmt(row['draft_cost_c'])} | {_fmt(row['verify_cost_epsilon'])} | "
-            f"{_fmt(row['speedup_over_ideal'])} | {_fmt(row['kept_suffix_rate'], '.0%')} | "
+            f"{_fmt(row['speedup_over_ideal'])} | {_fmt(row.get('mean_draft_length'), '.1f')} | "
+            f"{_fmt(row.get('lookup_round_share'), '.0%')} | {_fmt(row['kept_suffix_rate'], '.0%')} | "
             f"{_fmt(row['kept_token_commit_rate'], '.0%')} | {_mismatch_cell(row)} |"
         )
     drafted = [r for r in report["rows"] if r["per_position_acceptance"]]

@@ -77,6 +77,8 @@ class Method:
     use_retrace: bool = False
     ablation: str = "full"
     description: str = ""
+    lookup: bool = False  # the hybrid: context lookup rounds inside our generator
+    full_block: bool = False  # the adaptive block cut off (every round drafts block_size - 1 slots)
 
     @property
     def needs_drafter(self) -> bool:
@@ -93,6 +95,11 @@ ALL_METHODS: dict[str, Method] = {
         Method("dflash", "drafter", description="our drafter, ReTrace off (at T>0 the drafter's proposal_mode "
                "decides: argmax = sample-and-match, the default; sample = rejection sampling)"),
         Method("retrace", "drafter", use_retrace=True, description="our drafter, ReTrace on"),
+        Method("dflash-full-block", "drafter", full_block=True,
+               description="our drafter, ReTrace off, adaptive block cut off (every round drafts the whole block)"),
+        Method("dflash+lookup", "drafter", lookup=True,
+               description="the hybrid: context lookup where the newest tokens occurred before, else the drafter"),
+        Method("retrace+lookup", "drafter", use_retrace=True, lookup=True, description="the hybrid with ReTrace on"),
         *[
             Method(f"retrace-{a}", "drafter", use_retrace=True, ablation=a, description=f"ReTrace ablation {a}")
             for a in RETRACE_ABLATIONS
@@ -381,7 +388,7 @@ class Bench:
         recorded: dict[str, GenerationStats | None] = {"stats": None}
         if method.kind == "drafter":
             drafter = self.drafters[method.name]
-            with _drafter_switches(drafter, method.use_retrace, method.ablation):
+            with _drafter_switches(drafter, method):
                 yield recorded
             recorded["stats"] = drafter.last_stats
         elif method.kind in ("prompt-lookup", "native"):
@@ -413,16 +420,22 @@ class Bench:
 
 
 @contextmanager
-def _drafter_switches(drafter: Any, use_retrace: bool, ablation: str):
+def _drafter_switches(drafter: Any, method: Method):
+    """The method's settings on the drafter's config(s) for one call; the drafter's own settings restored after."""
     configs = {id(c): c for c in (drafter.config, getattr(drafter.retrace, "config", None)) if c is not None}
-    saved = [(c, c.use_retrace, c.retrace_ablation) for c in configs.values()]
+    settings = {"use_retrace": method.use_retrace, "retrace_ablation": method.ablation, "lookup": method.lookup}
+    if method.full_block:
+        settings["draft_confidence_threshold"] = None
+    saved = [(c, {k: getattr(c, k, None) for k in settings}) for c in configs.values()]
     for c in configs.values():
-        c.use_retrace, c.retrace_ablation = use_retrace, ablation
+        for k, v in settings.items():
+            setattr(c, k, v)
     try:
         yield
     finally:
-        for c, used, abl in saved:
-            c.use_retrace, c.retrace_ablation = used, abl
+        for c, old in saved:
+            for k, v in old.items():
+                setattr(c, k, v)
 
 
 @contextmanager
@@ -635,6 +648,9 @@ def summarize(turns: list[TurnResult], method: Method, plain_seconds_per_token: 
     keeps_suffixes = method.kind == "drafter" and pooled.rounds > 0  # only hf_retrace's generator records them
     row["kept_suffix_rate"] = pooled.kept_suffix_rate if keeps_suffixes else None
     row["kept_token_commit_rate"] = pooled.kept_token_commit_rate if keeps_suffixes else None
+    # the round's shape: mean drafted length (the adaptive block), and which source drafted (the hybrid)
+    row["mean_draft_length"] = (sum(pooled.draft_lengths) / len(pooled.draft_lengths)) if pooled.draft_lengths else None
+    row["lookup_round_share"] = pooled.lookup_rounds / pooled.rounds if keeps_suffixes else None
     row |= _losslessness(turns, temperature)
     row["per_request"] = [
         {"prompt_id": t.prompt_id, "turn": t.turn, "seed": t.seed, "input_tokens": t.input_length,

@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
 
 from ..retrace import RejectedSuffix
 from ..stats import GenerationStats, last_stats_slot
+from .lookup import ContextLookup
 from .target_features import TargetTap
 
 PROPOSAL_MODES = ("argmax", "sample")
@@ -34,8 +35,12 @@ class DraftRound:
 
     anchor_position: int
     tokens: torch.Tensor  # [k] drafted tokens for positions anchor+1 .. anchor+k
-    drafter_hidden: torch.Tensor  # [k, H] the drafter's normed hidden states at those slots
+    drafter_hidden: torch.Tensor | None  # [k, H] the drafter's normed hidden states at those slots (None: lookup)
     fused: bool
+
+    @property
+    def from_lookup(self) -> bool:
+        return self.drafter_hidden is None
 
 
 class ReTraceCandidateGenerator(CandidateGenerator):
@@ -80,7 +85,13 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.model_kwargs_overrides = self.tap.model_kwargs_overrides
         self.use_retrace = drafter.retrace is not None and drafter.config.retrace_enabled
         self.cache = DynamicCache()
-        self.context_length = 0  # positions whose context K/V the drafter cache holds
+        self.context_length = 0  # positions whose target states the generator has read (cached or pending)
+        self.cache_length = 0  # positions whose context K/V the drafter cache holds
+        self.pending_context: torch.Tensor | None = None  # rows read on lookup rounds, not yet in the cache
+        config = drafter.config
+        self.confidence_threshold = config.draft_confidence_threshold
+        self.lookup = ContextLookup(config.lookup_max_ngram) if config.lookup else None
+        self.lookup_min_ngram, self.lookup_num_tokens = config.lookup_min_ngram, config.lookup_num_tokens
         self.draft_round: DraftRound | None = None
         self.rejected_suffix: RejectedSuffix | None = None
         self.kept_pending: list[tuple[int, int]] = []  # (position, rejected token) awaiting the committed token
@@ -88,6 +99,10 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.stats = GenerationStats()
         last_stats_slot(drafter).set(self.stats)
         self._verify_started = 0.0
+
+    def close(self) -> None:
+        """Release what the call holds on the target (its layer hooks on transformers 4.57); idempotent."""
+        self.tap.close()
 
     @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, model_outputs: Any = None, **kwargs: Any):
@@ -98,27 +113,37 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         cur_len = input_ids.shape[1]
         anchor_position = cur_len - 1  # the newest committed token; the target has no states for it yet
         window = self.tap.window(model_outputs).to(self.drafter.device)
-        new_rows = anchor_position - self.context_length
+        fresh = window[:, : anchor_position - self.context_length]  # target states of the tokens committed since
+        self.context_length = anchor_position
         aligned = self._read_rejected_rows(window, anchor_position)
         num_drafts = min(self.max_drafts, self.max_length - cur_len - 1)
         if num_drafts <= 0:
             return input_ids, None
+        if self.lookup is not None:
+            budget = min(self.lookup_num_tokens, self.max_length - cur_len - 1)
+            candidates = self._lookup_round(input_ids, fresh, anchor_position, budget, started)
+            if candidates is not None:
+                return candidates, None
 
-        # one non-causal drafter forward over [anchor, MASK x (B-1)], reading the newly committed context
+        # one non-causal drafter forward over [anchor, MASK x (B-1)], reading the context not yet in its cache
+        if self.pending_context is not None:
+            fresh, self.pending_context = torch.cat([self.pending_context, fresh], dim=1), None
         block = self.drafter.block_embeddings(input_ids[:, -1].to(self.drafter.device), self.embed_tokens, aligned)
-        positions = torch.arange(self.context_length, anchor_position + self.block_size, device=block.device)
+        positions = torch.arange(self.cache_length, anchor_position + self.block_size, device=block.device)
         hidden = self.drafter(
-            target_hidden=window[:, :new_rows],
+            target_hidden=fresh,
             noise_embedding=block,
             position_ids=positions[None],
             past_key_values=self.cache,
             use_cache=True,
         )
         self.cache.crop(-self.block_size)  # keep the context K/V, drop the block's (negative: 4.57 and 5.x)
-        self.context_length = anchor_position
+        self.cache_length = anchor_position
 
-        drafter_hidden = hidden[:, 1 : num_drafts + 1]
-        draft_tokens, draft_logits = self._propose(input_ids, self._draft_logits(drafter_hidden))
+        draft_logits = self._draft_logits(hidden[:, 1 : num_drafts + 1])
+        num_drafts = self._confident_length(draft_logits)
+        drafter_hidden, draft_logits = hidden[:, 1 : num_drafts + 1], draft_logits[:, :num_drafts]
+        draft_tokens, draft_logits = self._propose(input_ids, draft_logits)
         draft_tokens = self._cut_after_eos(draft_tokens)
         k = draft_tokens.shape[1]
         self.draft_round = DraftRound(anchor_position, draft_tokens[0], drafter_hidden[0, :k], aligned is not None)
@@ -134,11 +159,16 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
         if draft is None:
             return
-        self.stats.verify_seconds += time.perf_counter() - self._verify_started
+        try:
+            self._read_verdict(draft, accepted, input_ids, scores)
+        finally:  # the verify clock runs until the verdict is read, as for transformers' own generators
+            self.stats.verify_seconds += time.perf_counter() - self._verify_started
+
+    def _read_verdict(self, draft: DraftRound, accepted: int, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         k = draft.tokens.shape[0]
-        self.stats.record_round(k, accepted, draft.fused)
+        self.stats.record_round(k, accepted, draft.fused, source="lookup" if draft.from_lookup else "drafter")
         self._score_kept_tokens(input_ids)
-        if accepted + 1 >= k:  # nothing beyond the first rejection (or all accepted): nothing to keep
+        if accepted + 1 >= k or draft.from_lookup:  # nothing beyond the first rejection, or not the drafter's
             return
         slots = torch.arange(accepted + 2, k + 1, device=draft.tokens.device)  # 1-based slots j = n+2 .. k
         rejected = draft.tokens[slots - 1]
@@ -158,6 +188,34 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         )
 
     # --- pieces of the round -------------------------------------------------------------------------------------
+    def _lookup_round(self, input_ids, fresh, anchor_position: int, num_drafts: int, started: float):
+        """Propose what followed the newest tokens earlier in the context; None when no n-gram matches.
+
+        The drafter forward is skipped: the new context rows wait in ``pending_context`` for the next drafter round,
+        and no rejected suffix is kept (ReTrace conditions on the drafter's own trajectories only).
+        """
+        self.lookup.extend(input_ids[0, len(self.lookup) :].tolist())
+        matched, continuation = self.lookup.propose(num_drafts, self.lookup_min_ngram)
+        if not matched:
+            return None
+        if self.pending_context is not None:
+            fresh = torch.cat([self.pending_context, fresh], dim=1)
+        self.pending_context, self.rejected_suffix = fresh, None
+        draft_tokens = self._cut_after_eos(torch.tensor([continuation], dtype=input_ids.dtype, device=input_ids.device))
+        self.draft_round = DraftRound(anchor_position, draft_tokens[0], None, False)
+        self.stats.draft_seconds += time.perf_counter() - started
+        self._verify_started = time.perf_counter()
+        return torch.cat([input_ids, draft_tokens], dim=-1)
+
+    def _confident_length(self, draft_logits: torch.Tensor) -> int:
+        """How many slots to keep: all, or up to the first whose top probability is below the threshold (>= 1)."""
+        if self.confidence_threshold is None or draft_logits.shape[1] <= 1:
+            return draft_logits.shape[1]
+        top = draft_logits[0].softmax(-1).amax(-1)
+        unsure = (top[1:] < self.confidence_threshold).nonzero()  # slot 1 is always drafted
+        keep = int(unsure[0]) + 1 if unsure.numel() else draft_logits.shape[1]
+        self.stats.slot_confidences.append(top[:keep].tolist())
+        return keep
     def _read_rejected_rows(self, window: torch.Tensor, anchor_position: int):
         """Complete the kept suffix with the target's tapped states at its rows; align it with the new block."""
         suffix = self.rejected_suffix
@@ -170,7 +228,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
     def _draft_logits(self, drafter_hidden: torch.Tensor) -> torch.Tensor:
         """``[1, k, Vd]`` scores over the draft vocabulary (the whole vocabulary when the drafter has none)."""
         head = self.draft_head
-        return torch.nn.functional.linear(drafter_hidden.to(head.device, head.dtype), head).float()
+        # a 2-D input: a 3-D slice would take matmul's batched path, which copies the whole head every round
+        rows = drafter_hidden.reshape(-1, drafter_hidden.shape[-1]).to(head.device, head.dtype)
+        return torch.nn.functional.linear(rows, head).float().view(*drafter_hidden.shape[:-1], head.shape[0])
 
     def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Scores over the target's vocabulary; tokens outside the draft vocabulary get -inf (never proposed)."""

@@ -8,6 +8,7 @@ behaviour. Users who refuse a global patch set ``HF_RETRACE_NO_GLOBAL_PATCH=1`` 
 from __future__ import annotations
 
 import os
+import threading
 import types
 from typing import Any
 
@@ -17,6 +18,8 @@ from transformers.generation.configuration_utils import GenerationMode
 from .candidate_generator import ReTraceCandidateGenerator
 
 _WRAPPED = "_hf_retrace_wrapped"
+_OURS: set[int] = set()
+_CALLS = threading.local()  # per thread: a stack of the generators built inside each running assisted loop  # ids of our own wrapper functions (functools.wraps copies the marker, never the identity)
 
 
 def is_drafter(assistant_model: Any) -> bool:
@@ -54,12 +57,25 @@ def check_target(drafter: Any, target: Any) -> None:
         )
 
 
+# generate settings that choose another drafting method; with an hf_retrace drafter they would be silently ignored
+_OTHER_SPECULATION = ("prompt_lookup_num_tokens", "assistant_early_exit", "speculation_type")
+
+
 def check_generation_mode(generation_mode: Any, generation_config: Any) -> None:
     if generation_mode != GenerationMode.ASSISTED_GENERATION:
         raise ValueError(
             f"hf_retrace drafters speed up greedy decoding and sampling only, but this call asks for {generation_mode} "
             f"(num_beams={generation_config.num_beams}); transformers would silently ignore the drafter. Use "
             "num_beams=1, or drop `assistant_model` for beam search."
+        )
+    others = {name: getattr(generation_config, name, None) for name in _OTHER_SPECULATION}
+    others = {name: value for name, value in others.items() if value is not None}
+    if others:
+        settings = ", ".join(f"{name}={value!r}" for name, value in others.items())
+        raise ValueError(
+            f"This call passes an hf_retrace drafter together with another speculation setting ({settings}); only one "
+            "can draft. Drop that setting to use the drafter, or drop `assistant_model` to use it. (For the drafter "
+            "plus context lookup in one generator, set `drafter.config.lookup = True`.)"
         )
     if generation_config.num_return_sequences > 1:
         raise ValueError(
@@ -95,7 +111,7 @@ def build_candidate_generator(
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("The prompt's attention_mask has padding; pass the unpadded prompt (batch size 1).")
     check_target(assistant_model, target)
-    return ReTraceCandidateGenerator(
+    generator = ReTraceCandidateGenerator(
         assistant_model,
         target,
         generation_config,
@@ -103,6 +119,10 @@ def build_candidate_generator(
         prompt_length=input_ids.shape[1],
         proposal_mode=assistant_model.proposal_mode,
     )
+    stack = getattr(_CALLS, "stack", None)
+    if stack:
+        stack[-1].append(generator)  # closed when the assisted loop returns or raises
+    return generator
 
 
 def _arg(args: tuple, kwargs: dict, index: int, name: str) -> Any:
@@ -119,6 +139,7 @@ def _wrap_validate(original):
         return original(self, *args, **kwargs)
 
     setattr(_validate_generation_mode, _WRAPPED, original)
+    _OURS.add(id(_validate_generation_mode))
     return _validate_generation_mode
 
 
@@ -129,10 +150,30 @@ def _wrap_get_candidate_generator(original):
         return original(self, *args, **kwargs)
 
     setattr(_get_candidate_generator, _WRAPPED, original)
+    _OURS.add(id(_get_candidate_generator))
     return _get_candidate_generator
 
 
-_HOOKED = {"_validate_generation_mode": _wrap_validate, "_get_candidate_generator": _wrap_get_candidate_generator}
+def _wrap_assisted_decoding(original):
+    def _assisted_decoding(self, *args, **kwargs):
+        stack = _CALLS.__dict__.setdefault("stack", [])
+        stack.append([])
+        try:
+            return original(self, *args, **kwargs)
+        finally:  # every exit path: the target's layers never keep our hooks after the call
+            for generator in stack.pop():
+                generator.close()
+
+    setattr(_assisted_decoding, _WRAPPED, original)
+    _OURS.add(id(_assisted_decoding))
+    return _assisted_decoding
+
+
+_HOOKED = {
+    "_validate_generation_mode": _wrap_validate,
+    "_get_candidate_generator": _wrap_get_candidate_generator,
+    "_assisted_decoding": _wrap_assisted_decoding,
+}
 
 
 def install() -> bool:
@@ -151,12 +192,29 @@ def install() -> bool:
     return True
 
 
-def uninstall() -> None:
-    """Undo ``install()`` (only our own wrappers are removed)."""
+def uninstall() -> bool:
+    """Undo ``install()``: remove our own wrapper where it is the outermost layer; returns True when all were removed.
+
+    A wrapper another library put on top of ours (even one made with ``functools.wraps``, which copies our marker)
+    stays in place, and ours inside it with it: removing ours would remove theirs. A warning says so.
+    """
+    removed = True
     for name in _HOOKED:
         current = GenerationMixin.__dict__.get(name)
-        if current is not None and hasattr(current, _WRAPPED):
+        if current is None or not hasattr(current, _WRAPPED):
+            continue
+        if id(current) in _OURS:
             setattr(GenerationMixin, name, getattr(current, _WRAPPED))
+        else:
+            import warnings
+
+            warnings.warn(
+                f"GenerationMixin.{name} is wrapped by another library on top of hf_retrace's hook; both stay in "
+                "place. Remove that library's wrapper first, then call uninstall() again.",
+                stacklevel=2,
+            )
+            removed = False
+    return removed
 
 
 def attach(model: Any) -> Any:

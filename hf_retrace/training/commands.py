@@ -299,7 +299,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     import hf_retrace  # noqa: F401  (generate hook for tau evaluation)
 
     from .data import TokenizedDataset
-    from .features import FeatureDataset, OnlineFeatures, PrecomputedFeatures, features_manifest, precompute_features
+    from .features import (
+        FeatureDataset,
+        OnlineFeatures,
+        PrecomputedFeatures,
+        covered_sequences,
+        features_manifest,
+        precompute_features,
+    )
     from .objective import DFlashObjective
     from .trainer import (
         TauEvaluator,
@@ -341,10 +348,11 @@ def cmd_train(args: argparse.Namespace) -> int:
         if fm is not None and fm.get("target_layer_ids") != layer_ids:
             raise _fail(f"--features-dir holds target layers {fm.get('target_layer_ids')} but the drafter reads "
                         f"{layer_ids}; use a new folder.")
-        if fm is None or not fm.get("complete"):
+        partial_ok = fm is not None and covered_sequences(fm) >= num
+        if fm is None or not (fm.get("complete") or partial_ok):
             precompute_features(target, sequences, args.features_dir, layer_ids, progress=not args.no_progress)
-        features = PrecomputedFeatures(args.features_dir)
-        mode = f"precomputed ({args.features_dir})"
+        features = PrecomputedFeatures(args.features_dir, allow_partial=partial_ok)
+        mode = f"precomputed ({args.features_dir}, {len(features)} sequences covered)"
     else:
         feature_fn = OnlineFeatures(target, drafter.config.target_layer_ids)
         mode = "online"
@@ -499,15 +507,78 @@ def cmd_data(args: argparse.Namespace) -> int:
         target, _, _ = _load_target(args.target, args.dtype)
         layers = _parse_ids(args.target_layer_ids) or build_target_layer_ids(
             target.config.get_text_config().num_hidden_layers, args.num_target_features)
+        import torch
+
+        storage = getattr(torch, args.storage_dtype) if args.storage_dtype else None
         manifest = precompute_features(target, data_mod.TokenizedDataset(args.data), args.out, layers,
-                                       max_batch_tokens=args.max_batch_tokens, limit=args.limit)
+                                       max_batch_tokens=args.max_batch_tokens, limit=args.limit,
+                                       storage_dtype=storage)
         print(f"[hf-retrace] features of {manifest['num_sequences']} sequences (layers {layers}) in {args.out}")
         return 0
     raise _fail(f"unknown data command {args.data_command!r}")
 
 
+def _calibration_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
+    from .data import TokenizedDataset, prompt_token_ids, read_prompts, validate_prompt_file
+
+    if bool(args.prompts) == bool(args.data):
+        raise _fail("calibrate needs prompts: --data DIR --sequences A:B (never trained on), or --prompts FILE.")
+    if args.prompts:
+        try:
+            validate_prompt_file(args.prompts)
+        except (FileNotFoundError, ValueError) as error:
+            raise _fail(f"--prompts: {error}") from None
+        if "/shared/data/dev" in str(Path(args.prompts).resolve()):
+            raise _fail("--prompts points into dev/: calibrate on training prompts, dev/ is for benchmarks.")
+        return prompt_token_ids(tokenizer, [p.prompt for p in read_prompts(args.prompts, limit=args.limit)])
+    if not (Path(args.data) / "manifest.json").is_file():
+        raise _fail(f"--data {args.data}: no manifest.json (run `hf-retrace data tokenize` first).")
+    try:
+        start, end = (int(x) for x in (args.sequences or "").split(":"))
+    except ValueError:
+        raise _fail(f"--sequences must be A:B (sequence indices never trained on), got {args.sequences!r}.") from None
+    dataset = TokenizedDataset(args.data)
+    if not 0 <= start < end <= len(dataset):
+        raise _fail(f"--sequences {start}:{end} is outside the {len(dataset)} sequences of --data.")
+    return _eval_prompt_ids(argparse.Namespace(eval_prompts=None), None, dataset,
+                            list(range(start, end))[: args.limit])
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..modeling import ReTraceDrafter
+    from .calibrate import calibrate_confidence_threshold
+
+    if not (Path(args.drafter) / "config.json").is_file():
+        raise _fail(f"--drafter {args.drafter}: not a drafter folder (no config.json).")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    target, tokenizer, _ = _load_target(args.target, args.dtype)
+    prompts = _calibration_prompts(args, tokenizer)
+    drafter = ReTraceDrafter.from_pretrained(args.drafter, dtype=getattr(torch, args.dtype)).eval()
+    result = calibrate_confidence_threshold(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
+    print(f"[hf-retrace] c = {result['draft_cost_c']:.3f}; verify cost of k drafts (x one step): "
+          + ", ".join(f"{k}:{v:.2f}" for k, v in enumerate(result["verify_costs"])))
+    print("| threshold | tau | drafted/round | tokens per step-cost |\n|---|---|---|---|")
+    for row in result["table"]:
+        print(f"| {row['threshold']:.2f} | {row['tau']:.2f} | {row['mean_drafted']:.2f} | {row['tokens_per_cost']:.3f} |")
+    best, full = result["best"], result["full_block"]
+    print(f"[hf-retrace] best threshold {best['threshold']:.2f}: {best['tokens_per_cost']:.3f} tokens per step-cost "
+          f"vs {full['tokens_per_cost']:.3f} with full blocks ({result['rounds']} rounds, {result['prompts']} prompts)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.write:
+        path = Path(args.drafter) / "config.json"
+        config = json.loads(path.read_text())
+        config["draft_confidence_threshold"] = best["threshold"]
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        print(f"[hf-retrace] wrote draft_confidence_threshold={best['threshold']} into {path}")
+    return 0
+
+
 def register(subparsers: Any) -> None:
-    """Add ``train`` and ``data`` to the ``hf-retrace`` parser's subcommands."""
+    """Add ``train``, ``data`` and ``calibrate`` to the ``hf-retrace`` parser's subcommands."""
     train = subparsers.add_parser("train", help="train a DFlash drafter for a target (CPU, GPU, accelerate launch)")
     add_train_arguments(train)
     train.set_defaults(func=_train_entry)
@@ -541,8 +612,26 @@ def register(subparsers: Any) -> None:
     feat.add_argument("--target-layer-ids", default=None)
     feat.add_argument("--max-batch-tokens", type=int, default=8192)
     feat.add_argument("--limit", type=int, default=None)
-    feat.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    feat.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16",
+                      help="the target's dtype for the forward (float32 is ~2.5x faster on CPUs without bf16 units)")
+    feat.add_argument("--storage-dtype", choices=DTYPE_CHOICES, default=None,
+                      help="dtype on disk (default: --dtype; bfloat16 halves the disk of a float32 forward)")
     feat.set_defaults(func=cmd_data)
+
+    cal = subparsers.add_parser("calibrate", help="calibrate a drafter's adaptive block on held-out training prompts")
+    cal.add_argument("--target", required=True, help='Hub id, folder or "default"')
+    cal.add_argument("--drafter", required=True, help="drafter folder (its config.json gets the threshold with --write)")
+    cal.add_argument("--data", default=None, help="tokenized folder; prompts are the sequences in --sequences")
+    cal.add_argument("--sequences", default=None, metavar="A:B",
+                     help="indices of --data sequences never trained on (e.g. 4900:4932)")
+    cal.add_argument("--prompts", default=None, help="or: a prompt JSONL file (never dev/)")
+    cal.add_argument("--limit", type=int, default=24, help="prompts used")
+    cal.add_argument("--max-new-tokens", type=int, default=96)
+    cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    cal.add_argument("--num-threads", type=int, default=None)
+    cal.add_argument("--json", default=None, help="write the full table here")
+    cal.add_argument("--write", action="store_true", help="store the best threshold in the drafter's config.json")
+    cal.set_defaults(func=cmd_calibrate)
 
 
 def _train_entry(args: argparse.Namespace) -> int:

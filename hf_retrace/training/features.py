@@ -35,6 +35,7 @@ __all__ = [
     "OnlineFeatures",
     "PrecomputedFeatures",
     "collate_sequences",
+    "covered_sequences",
     "precompute_features",
     "tapped_hidden_states",
 ]
@@ -244,29 +245,46 @@ def features_manifest(directory: str | os.PathLike[str]) -> dict[str, Any] | Non
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
-class PrecomputedFeatures:
-    """Memory-mapped features written by :func:`precompute_features`; ``features[i]`` is ``[T_i, n*H]``."""
+def covered_sequences(manifest: dict[str, Any]) -> int:
+    """How many sequences, counted from the first, have features on disk (all of them once ``complete``)."""
+    covered = 0
+    for shard in sorted(manifest.get("shards", []), key=lambda s: s["start"]):
+        if shard["start"] != covered:
+            break
+        covered = shard["end"]
+    return covered
 
-    def __init__(self, directory: str | os.PathLike[str]):
+
+class PrecomputedFeatures:
+    """Memory-mapped features written by :func:`precompute_features`; ``features[i]`` is ``[T_i, n*H]``.
+
+    ``allow_partial=True`` reads a folder whose computation is still under way (or was stopped): only the
+    sequences covered from the first one on are available, ``len()`` says how many.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], allow_partial: bool = False):
         self.directory = Path(directory)
         manifest = features_manifest(self.directory)
         if manifest is None:
             raise FileNotFoundError(f"No {FEATURES_MANIFEST} in {self.directory}; run precompute_features first.")
-        if not manifest.get("complete"):
+        if not manifest.get("complete") and not allow_partial:
             raise ValueError(f"{self.directory} is only partly computed; run precompute_features again to finish it.")
         self.manifest = manifest
+        self._covered = covered_sequences(manifest) if not manifest.get("complete") else manifest["num_sequences"]
         self.target_layer_ids = list(manifest["target_layer_ids"])
         np_dtype, self.torch_dtype = _STORAGE[manifest["dtype"]]
         size = manifest["feature_size"]
         self._shards = []
-        for shard in manifest["shards"]:
+        for shard in sorted(manifest["shards"], key=lambda s: s["start"]):
+            if shard["end"] > self._covered:
+                break
             offsets = np.asarray(shard["offsets"], dtype=np.int64)
             array = np.memmap(self.directory / shard["file"], dtype=np_dtype, mode="r", shape=(int(offsets[-1]), size))
             self._shards.append((shard["start"], shard["end"], offsets, array))
         self._starts = np.array([s[0] for s in self._shards], dtype=np.int64)
 
     def __len__(self) -> int:
-        return int(self.manifest["num_sequences"])
+        return int(self._covered)
 
     def __getitem__(self, index: int) -> torch.Tensor:
         if not 0 <= index < len(self):
@@ -289,11 +307,11 @@ class FeatureDataset(torch.utils.data.Dataset):
         self.features = features
         self.indices = list(range(len(sequences))) if indices is None else list(indices)
         if features is not None:
-            lengths = sequences.sequence_lengths()
-            if len(features) < len(lengths):
+            needed = max(self.indices) + 1 if self.indices else 0
+            if len(features) < needed:
                 raise ValueError(
-                    f"The features cover {len(features)} sequences but the dataset has {len(lengths)}; "
-                    "precompute the features for the whole dataset (no --limit)."
+                    f"The features cover {len(features)} sequences but training reads the first {needed}; "
+                    "precompute the features for them (no --limit), or train on fewer (--max-sequences)."
                 )
 
     def __len__(self) -> int:

@@ -30,6 +30,7 @@ __all__ = [
     "DFlashObjective",
     "build_block_attention_mask",
     "decay_weights",
+    "label_cross_entropy",
     "sample_anchors",
     "tau_proxy",
     "valid_anchor_positions",
@@ -240,7 +241,7 @@ class DFlashObjective(nn.Module):
         rows = hidden[valid]  # only valid slots go through the (large) lm_head
         weight, bias = self._lm_head_weight(rows.dtype, rows.device)
         logits = F.linear(rows, weight, bias).float()
-        ce = F.cross_entropy(logits, labels[valid], reduction="none")
+        ce = label_cross_entropy(logits, rows, weight, bias, labels[valid])
         slot_index = torch.arange(block_size - 1, device=hidden.device).expand_as(valid)[valid]
         w = weights[slot_index]
         denom = w.sum()
@@ -265,6 +266,19 @@ class DFlashObjective(nn.Module):
                 "num_tokens": lengths.sum(),
             }
         return loss, metrics
+
+
+def label_cross_entropy(logits: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        labels: torch.Tensor) -> torch.Tensor:
+    """Per-row cross-entropy ``logsumexp(logits) - logit[label]``, the label's logit taken from its head row.
+
+    Equal to ``F.cross_entropy(logits, labels, reduction="none")``, without its backward's ``[rows, vocab]`` zero fill
+    and scatter (about a tenth of a CPU training step at a 9k-token draft vocabulary).
+    """
+    label_logit = (rows * weight[labels]).sum(-1)
+    if bias is not None:
+        label_logit = label_logit + bias[labels]
+    return torch.logsumexp(logits, dim=-1) - label_logit.to(logits.dtype)
 
 
 def tau_proxy(acc_slot: torch.Tensor) -> float:
