@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import hf_retrace  # noqa: F401  (installs the generate hook)
-from hf_retrace.cli import load_pair
+from hf_retrace.cli import load_drafter, load_target
 from hf_retrace.side_by_side import chat_input_ids
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
@@ -26,11 +26,16 @@ def main() -> None:
     parser.add_argument("--target", default="default")
     parser.add_argument("--drafter", default="default")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--drafter-dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--full-block", action="store_true", help="switch the adaptive block off")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rows", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target, tokenizer, drafter = load_pair(args.target, args.drafter)
+    target, tokenizer = load_target(args.target, "bf16")
+    drafter = load_drafter(args.drafter, args.drafter_dtype)
+    if args.full_block:
+        drafter.config.draft_confidence_threshold = None
     ids = chat_input_ids(tokenizer, PROMPT)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     with torch.inference_mode():

@@ -19,7 +19,7 @@ SEQUENCES=${SEQUENCES:-2048}   # sequences trained on (the features of the first
 mkdir -p "$RUNS"
 
 tokenize() {
-  : "${HF_RETRACE_TARGET_ANSWERS:?set it to the JSONL of the target's own answers (fields prompt, response)}"
+  : "${HF_RETRACE_TARGET_ANSWERS:?set it to the JSONL of the answers of the target (fields prompt, response)}"
   [ -f "$TOK/manifest.json" ] || hf-retrace data tokenize --target default \
       --responses "$HF_RETRACE_TARGET_ANSWERS" --out "$TOK" --max-length 1024
 }

@@ -32,18 +32,28 @@ def pair():
 def test_default_drafter_fits_the_default_target(pair):
     target, _, drafter = pair
     check_target(drafter, target)
-    assert drafter.config.retrace_enabled, "the shipped drafter carries trained ReTrace weights"
-    assert drafter.config.draft_vocab_size == 16384
+    config = drafter.config
+    assert config.draft_vocab_size and config.draft_vocab_size == drafter.draft_vocab.numel()
+    threshold = config.draft_confidence_threshold
+    assert threshold is None or 0.0 <= threshold < 1.0, "the adaptive block ships calibrated or off"
+    # ReTrace ships on only with trained weights (issue: ReTrace must beat its backbone before it is on by default)
+    assert config.retrace_enabled == (config.retrace and config.retrace_trained)
 
 
-@pytest.mark.parametrize("use_retrace", [True, False])
-def test_default_drafter_is_lossless_and_accepts_drafts_in_fp32(pair, use_retrace):
+@pytest.mark.parametrize("lookup", [False, True])
+def test_default_drafter_is_lossless_and_accepts_drafts_in_fp32(pair, lookup):
     target, tokenizer, drafter = pair
-    drafter.config.use_retrace = use_retrace
-    ids = chat_input_ids(tokenizer, "Write a Python function that checks whether a number is prime.")
-    plain = target.generate(ids, max_new_tokens=48, do_sample=False)
-    fast = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter)
+    saved = drafter.config.lookup
+    drafter.config.lookup = lookup
+    try:
+        ids = chat_input_ids(tokenizer, "Write a Python function that checks whether a number is prime.")
+        plain = target.generate(ids, max_new_tokens=48, do_sample=False)
+        fast = target.generate(ids, max_new_tokens=48, do_sample=False, assistant_model=drafter)
+    finally:
+        drafter.config.lookup = saved
     assert fast.tolist() == plain.tolist()
     stats = drafter.last_stats
-    assert stats.mean_acceptance_length > 1.0, "the trained drafter should get some drafts accepted"
-    assert (stats.rounds_with_fused_suffix > 0) == use_retrace
+    assert stats.mean_acceptance_length > 1.2, "the trained drafter should get drafts accepted"
+    assert (stats.lookup_rounds > 0) == lookup
+    if not lookup:  # the drafter alone: its own drafts were accepted beyond slot 1 in some rounds
+        assert max(stats.acceptance_lengths) >= 3

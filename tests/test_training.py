@@ -387,6 +387,26 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
 
 
+def test_cli_refuses_to_train_or_calibrate_on_held_out_benchmark_folders(tmp_path, monkeypatch):
+    from hf_retrace.training.commands import main
+
+    data = _tokenized(tmp_path)
+    monkeypatch.setenv("HF_RETRACE_HELD_OUT_DIRS", str(tmp_path))
+    with pytest.raises(SystemExit, match="benchmark folder"):
+        main(["train", "--target", "default", "--data", str(data), "--out", str(tmp_path / "o")])
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    drafter = tmp_path / "d"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    monkeypatch.setattr("hf_retrace.training.commands._load_target", lambda *a: pytest.fail("loaded a model"))
+    with pytest.raises(SystemExit, match="benchmark folder"):
+        main(["calibrate", "--target", "default", "--drafter", str(drafter), "--prompts", str(prompts)])
+    monkeypatch.delenv("HF_RETRACE_HELD_OUT_DIRS")
+    with pytest.raises(SystemExit, match="--sequences must be A:B"):
+        main(["calibrate", "--target", "default", "--drafter", str(drafter), "--data", str(data), "--sequences", "x"])
+
+
 def test_label_cross_entropy_equals_torch_cross_entropy_with_gradients():
     from hf_retrace.training.objective import label_cross_entropy
 

@@ -61,6 +61,26 @@ def _load_target(target: str, dtype: str):
     return model, tokenizer, path
 
 
+HELD_OUT_ENV_VAR = "HF_RETRACE_HELD_OUT_DIRS"  # os.pathsep-separated folders of benchmark prompts
+
+
+def _held_out_folder(path: Path) -> Path | None:
+    """The folder of ``$HF_RETRACE_HELD_OUT_DIRS`` that holds ``path`` (benchmark data: never train or tune on it)."""
+    resolved = path.resolve()
+    for folder in filter(None, os.environ.get(HELD_OUT_ENV_VAR, "").split(os.pathsep)):
+        folder_path = Path(folder).resolve()
+        if resolved == folder_path or folder_path in resolved.parents:
+            return folder_path
+    return None
+
+
+def _refuse_held_out(path: Path, flag: str) -> None:
+    folder = _held_out_folder(path)
+    if folder is not None:
+        raise _fail(f"{flag} {path} lies in {folder}, a benchmark folder listed in ${HELD_OUT_ENV_VAR}: "
+                    "train and calibrate on training data only.")
+
+
 def _folder_is_empty(path: Path) -> bool:
     return not path.exists() or (path.is_dir() and not any(path.iterdir()))
 
@@ -157,8 +177,7 @@ def validate_train_args(args: argparse.Namespace) -> dict[str, Any]:
     manifest = json.loads(manifest_path.read_text())
     if not manifest.get("complete"):
         raise _fail(f"--data {data} is only partly tokenized; run `hf-retrace data tokenize` again to finish it.")
-    if "/shared/data/dev" in str(data.resolve()):
-        raise _fail("--data points into a dev/ folder: dev prompts are for benchmarks, never train on them.")
+    _refuse_held_out(data, "--data")
     positive = {"--block-size": args.block_size - 1, "--num-layers": args.num_layers, "--num-anchors": args.num_anchors,
                 "--batch-size": args.batch_size, "--grad-accum": args.grad_accum,
                 "--keep-checkpoints": args.keep_checkpoints, "--eval-max-new-tokens": args.eval_max_new_tokens}
@@ -184,8 +203,8 @@ def validate_train_args(args: argparse.Namespace) -> dict[str, Any]:
             validate_prompt_file(args.eval_prompts)
         except (FileNotFoundError, ValueError) as error:
             raise _fail(f"--eval-prompts: {error}") from None
-        if "/shared/data/dev" in str(Path(args.eval_prompts).resolve()):
-            print("[hf-retrace] note: evaluating tau on dev/ prompts (fine for eval, never for training).",
+        if _held_out_folder(Path(args.eval_prompts)):
+            print("[hf-retrace] note: evaluating tau on held-out benchmark prompts (fine for eval, never for training).",
                   file=sys.stderr)
     if args.features_dir:
         fm = Path(args.features_dir) / "features.json"
@@ -406,9 +425,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if acc.is_main_process:
         hours = summary["seconds"] / 3600
         info = {
-            "target": target_path,
+            "target": _hub_id(target_path) or Path(target_path).name,  # no machine paths in a shipped card
             "target_hub_id": _hub_id(target_path),
-            "data": f"{args.data} ({facts['manifest'].get('num_sequences')} sequences, "
+            "data": f"{Path(args.data).name} ({facts['manifest'].get('num_sequences')} sequences, "
                     f"{facts['manifest'].get('num_response_tokens')} response tokens; sources: "
                     + ", ".join(Path(s['path']).name for s in facts["manifest"].get("sources", [])) + ")",
             "num_sequences": len(dataset),
@@ -416,14 +435,15 @@ def cmd_train(args: argparse.Namespace) -> int:
             "time": f"{summary['seconds'] / 60:.1f} min of training ({hours:.2f} h)",
             "hardware": f"{acc.num_processes} x {acc.device.type} ({platform.processor() or platform.machine()}, "
                         f"{os.cpu_count()} cores)" if acc.device.type == "cpu" else f"{acc.num_processes} x {acc.device}",
-            "stage": f"{args.stage}; drafter {init}; features {mode}",
+            "stage": f"{args.stage}; drafter {init}; features {mode}".replace(str(Path.home()), "~"),
             "hyperparameters": (f"block {drafter.config.block_size}, {drafter.config.num_hidden_layers} layers, "
                                 f"target layers {drafter.config.target_layer_ids}, {args.num_anchors} anchors, "
                                 f"gamma {args.gamma}, lr {args.lr}, warmup {args.warmup_ratio}, cosine, "
                                 f"batch {args.batch_size}x{args.grad_accum}x{acc.num_processes}, "
                                 f"{'bf16' if args.bf16 else 'fp32'}, AdamW(0.9, 0.95, wd {args.weight_decay}), clip "
                                 f"{args.max_grad_norm}"),
-            "command": "hf-retrace train " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", [])),
+            "command": ("hf-retrace train " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", [])))
+            .replace(str(Path.home()), "~"),
             "tau": final_eval.get("tau"),
             "eval_prompts": final_eval.get("eval_prompts"),
             "eval_max_new_tokens": args.eval_max_new_tokens,
@@ -518,9 +538,12 @@ def cmd_data(args: argparse.Namespace) -> int:
     raise _fail(f"unknown data command {args.data_command!r}")
 
 
-def _calibration_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[int]]:
-    from .data import TokenizedDataset, prompt_token_ids, read_prompts, validate_prompt_file
+def _check_calibration_args(args: argparse.Namespace) -> tuple[int, int] | None:
+    """All checks of ``hf-retrace calibrate`` that need no model; returns the ``--sequences`` range (or None)."""
+    from .data import validate_prompt_file
 
+    if not (Path(args.drafter) / "config.json").is_file():
+        raise _fail(f"--drafter {args.drafter}: not a drafter folder (no config.json).")
     if bool(args.prompts) == bool(args.data):
         raise _fail("calibrate needs prompts: --data DIR --sequences A:B (never trained on), or --prompts FILE.")
     if args.prompts:
@@ -528,15 +551,24 @@ def _calibration_prompts(args: argparse.Namespace, tokenizer: Any) -> list[list[
             validate_prompt_file(args.prompts)
         except (FileNotFoundError, ValueError) as error:
             raise _fail(f"--prompts: {error}") from None
-        if "/shared/data/dev" in str(Path(args.prompts).resolve()):
-            raise _fail("--prompts points into dev/: calibrate on training prompts, dev/ is for benchmarks.")
-        return prompt_token_ids(tokenizer, [p.prompt for p in read_prompts(args.prompts, limit=args.limit)])
+        _refuse_held_out(Path(args.prompts), "--prompts")
+        return None
     if not (Path(args.data) / "manifest.json").is_file():
         raise _fail(f"--data {args.data}: no manifest.json (run `hf-retrace data tokenize` first).")
+    _refuse_held_out(Path(args.data), "--data")
     try:
         start, end = (int(x) for x in (args.sequences or "").split(":"))
     except ValueError:
         raise _fail(f"--sequences must be A:B (sequence indices never trained on), got {args.sequences!r}.") from None
+    return start, end
+
+
+def _calibration_prompts(args: argparse.Namespace, tokenizer: Any, sequences: tuple[int, int] | None):
+    from .data import TokenizedDataset, prompt_token_ids, read_prompts
+
+    if sequences is None:
+        return prompt_token_ids(tokenizer, [p.prompt for p in read_prompts(args.prompts, limit=args.limit)])
+    start, end = sequences
     dataset = TokenizedDataset(args.data)
     if not 0 <= start < end <= len(dataset):
         raise _fail(f"--sequences {start}:{end} is outside the {len(dataset)} sequences of --data.")
@@ -550,12 +582,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..modeling import ReTraceDrafter
     from .calibrate import calibrate_confidence_threshold
 
-    if not (Path(args.drafter) / "config.json").is_file():
-        raise _fail(f"--drafter {args.drafter}: not a drafter folder (no config.json).")
+    sequences = _check_calibration_args(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     target, tokenizer, _ = _load_target(args.target, args.dtype)
-    prompts = _calibration_prompts(args, tokenizer)
+    prompts = _calibration_prompts(args, tokenizer, sequences)
     drafter = ReTraceDrafter.from_pretrained(args.drafter, dtype=getattr(torch, args.dtype)).eval()
     result = calibrate_confidence_threshold(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
     print(f"[hf-retrace] c = {result['draft_cost_c']:.3f}; verify cost of k drafts (x one step): "

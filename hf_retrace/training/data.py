@@ -166,7 +166,7 @@ def read_prompts(
 
     Example::
 
-        prompts = read_prompts("../shared/data/train/gsm8k-train.jsonl", limit=64)
+        prompts = read_prompts("data/train/gsm8k-train.jsonl", limit=64)
     """
     prompts: list[PromptRecord] = []
     seen: set[str] = set()
