@@ -22,6 +22,9 @@ def build_target_layer_ids(num_target_layers: int, num_draft_features: int) -> l
     return [int(round(start + i * span / (num_draft_features - 1))) for i in range(num_draft_features)]
 
 
+MAX_DRAFTER_PARAMETERS = 20_000_000_000  # refuse absurd configs before a single weight is allocated
+
+
 class ReTraceConfig(PretrainedConfig):
     r"""Configuration of a :class:`~hf_retrace.ReTraceDrafter`.
 
@@ -160,6 +163,20 @@ class ReTraceConfig(PretrainedConfig):
             )
         if self.retrace_ablation not in RETRACE_ABLATIONS:
             raise ValueError(f"retrace_ablation must be one of {RETRACE_ABLATIONS}, got {self.retrace_ablation!r}.")
+        dims = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers, "num_attention_heads": self.num_attention_heads,
+                "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim}
+        bad = {k: v for k, v in dims.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ValueError(f"The drafter config has invalid dimensions {bad}: each must be a positive integer.")
+        h, n = self.hidden_size, len(self.target_layer_ids)
+        params = self.num_hidden_layers * (4 * h * h + 3 * h * self.intermediate_size) + n * h * h
+        if params > MAX_DRAFTER_PARAMETERS:
+            raise ValueError(
+                f"The drafter config describes ~{params / 1e9:.0f}B parameters (hidden {h}, intermediate "
+                f"{self.intermediate_size}, {self.num_hidden_layers} layers), more than any drafter "
+                f"({MAX_DRAFTER_PARAMETERS / 1e9:.0f}B): the config is corrupt or not a drafter's. Nothing was allocated."
+            )
         threshold = self.draft_confidence_threshold
         if threshold is not None and not 0.0 <= threshold < 1.0:
             raise ValueError(

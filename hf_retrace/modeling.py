@@ -182,6 +182,12 @@ class ReTraceDrafter(PreTrainedModel):
         self.retrace = ReTraceFusion(config) if config.retrace else None
         self.post_init()
 
+    @classmethod
+    def from_pretrained(cls, *args: Any, **kwargs: Any) -> "ReTraceDrafter":
+        """``PreTrainedModel.from_pretrained`` that reads safetensors only (never a pickled ``.bin``)."""
+        kwargs.setdefault("use_safetensors", True)
+        return super().from_pretrained(*args, **kwargs)
+
     # --- weights -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -182,3 +182,28 @@ def test_an_exception_at_round_k_leaves_no_hooks_and_the_next_call_is_plain(wher
     out = target.generate(prompt, assistant_model=drafter, max_new_tokens=30, do_sample=False)
     assert out.tolist() == reference.tolist()
     assert all(len(layer._forward_hooks) == 0 for layer in layers)
+
+
+def test_absurd_drafter_dimensions_are_refused_before_allocation(target):
+    from hf_retrace import ReTraceDrafter
+
+    config = tiny_drafter(target).config
+    config.hidden_size, config.intermediate_size = 1_000_000, 4_000_000
+    with pytest.raises(ValueError, match="corrupt or not a drafter"):
+        ReTraceDrafter(config)
+    config.hidden_size = -3
+    with pytest.raises(ValueError, match="invalid dimensions"):
+        ReTraceDrafter(config)
+
+
+def test_drafter_loads_safetensors_only(target, tmp_path):
+    from hf_retrace import ReTraceDrafter
+
+    drafter = tiny_drafter(target)
+    drafter.save_pretrained(tmp_path / "st")
+    assert ReTraceDrafter.from_pretrained(tmp_path / "st") is not None
+    drafter.save_pretrained(tmp_path / "bin", safe_serialization=False)
+    if not (tmp_path / "bin" / "pytorch_model.bin").exists():
+        pytest.skip("this transformers version writes safetensors only")
+    with pytest.raises(OSError):
+        ReTraceDrafter.from_pretrained(tmp_path / "bin")

@@ -282,6 +282,9 @@ def test_resume_after_kill_matches_uninterrupted_run(counting_target, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         killed.train()  # dies in the middle of step 4 (its 2nd micro-batch): the last checkpoint is step-2
     assert latest_checkpoint(tmp_path / "killed").name == "step-2"
+    assert not list((tmp_path / "killed").rglob("*.pkl")), "a checkpoint holds a pickle (resume would unpickle it)"
+    with open(tmp_path / "killed" / "train_log.jsonl", "a") as log_file:
+        log_file.write('{"step": 3, "lo')  # the kill tore the last log line
     resumed = _trainer(target, fresh(), tmp_path / "killed", max_steps=6, dataset=data, save_every=2, resume=True)
     summary = resumed.train()
     assert summary["steps"] == 6

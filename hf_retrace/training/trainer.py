@@ -53,6 +53,8 @@ __all__ = [
 ]
 
 CHECKPOINTS = "checkpoints"
+CHECKPOINT_MODEL = "model.safetensors"
+CHECKPOINT_OPTIMIZER = "optimizer.pt"  # tensors and numbers only: loaded with weights_only=True
 TRAINER_STATE = "trainer_state.json"
 LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "training_summary.json"
@@ -318,6 +320,18 @@ def _lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Callabl
     return schedule
 
 
+def _fsync_folder(folder: Path) -> None:
+    """Flush every file of ``folder`` and the folder itself, so a rename after it never exposes torn files."""
+    for path in folder.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def latest_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
     """The newest complete ``out_dir/checkpoints/step-N`` (it holds ``trainer_state.json``), or None."""
     root = Path(out_dir) / CHECKPOINTS
@@ -403,7 +417,7 @@ class Trainer:
             optimizer, _lr_lambda(self.total_steps, self.warmup_steps, args.min_lr_ratio)
         )
         self.model, self.optimizer = self.accelerator.prepare(objective, optimizer)
-        self.accelerator.register_for_checkpointing(self.scheduler)
+        # the schedule is a pure function of the step: restored from trainer_state.json, never pickled
         self.state = _State()
         self.trainable_params = trainable
 
@@ -443,10 +457,15 @@ class Trainer:
             shutil.rmtree(tmp, ignore_errors=True)
             root.mkdir(parents=True, exist_ok=True)
         acc.wait_for_everyone()
-        acc.save_state(str(tmp))
-        acc.wait_for_everyone()
-        if acc.is_main_process:
+        if acc.is_main_process:  # weights and optimizer are replicated across processes: one copy, no pickle
+            from safetensors.torch import save_file
+
+            tmp.mkdir(parents=True, exist_ok=True)
+            model_state = acc.unwrap_model(self.model).state_dict()
+            save_file({k: v.detach().contiguous() for k, v in model_state.items()}, str(tmp / CHECKPOINT_MODEL))
+            torch.save(self.optimizer.state_dict(), tmp / CHECKPOINT_OPTIMIZER)
             (tmp / TRAINER_STATE).write_text(json.dumps(dataclasses.asdict(self.state), indent=2))
+            _fsync_folder(tmp)
             shutil.rmtree(final, ignore_errors=True)
             tmp.replace(final)
             kept = sorted(
@@ -458,8 +477,20 @@ class Trainer:
         return final
 
     def load_checkpoint(self, path: Path) -> None:
-        self.accelerator.load_state(str(path))
+        import warnings
+
+        from safetensors.torch import load_file
+
+        self.accelerator.unwrap_model(self.model).load_state_dict(load_file(str(path / CHECKPOINT_MODEL)))
+        optimizer_file = path / CHECKPOINT_OPTIMIZER
+        if not optimizer_file.exists():
+            optimizer_file = path / "optimizer.bin"  # checkpoints written by accelerate's save_state
+        self.optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
         self.state = _State(**json.loads((path / TRAINER_STATE).read_text()))
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended, nothing is skipped
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.last_epoch = self.state.step - 1
+            self.scheduler.step()
         self._truncate_log(self.state.step)
 
     def _truncate_log(self, step: int) -> None:
@@ -467,7 +498,14 @@ class Trainer:
         path = self.out_dir / LOG_FILE
         if not self.accelerator.is_main_process or not path.exists():
             return
-        kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line torn by a kill mid-write: drop it
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(line)
         path.write_text("".join(line + "\n" for line in kept))
 
     def _log(self, record: dict[str, Any]) -> None:
