@@ -72,16 +72,19 @@ def test_confidence_cut_drafts_exactly_the_confident_prefix(threshold, monkeypat
     drafter = tiny_drafter(target, block_size=8, retrace="random", seed=3)
     drafter.config.draft_confidence_threshold = threshold
     expected: list[int] = []
-    original = ReTraceCandidateGenerator._draft_logits
+    full_head = ReTraceCandidateGenerator._draft_logits
+    chunked = ReTraceCandidateGenerator._confident_logits
 
-    def recording(self, hidden):
-        logits = original(self, hidden)
-        top = logits[0].softmax(-1).amax(-1)
+    def recording(self, hidden):  # the cut the whole head would give, against the chunked head's actual cut
+        full = full_head(self, hidden)
+        top = full[0].softmax(-1).amax(-1)
         below = [i for i in range(1, top.shape[0]) if top[i] < threshold]
         expected.append(below[0] if below else top.shape[0])
-        return logits
+        kept = chunked(self, hidden)
+        torch.testing.assert_close(kept, full[:, : kept.shape[1]])
+        return kept
 
-    monkeypatch.setattr(ReTraceCandidateGenerator, "_draft_logits", recording)
+    monkeypatch.setattr(ReTraceCandidateGenerator, "_confident_logits", recording)
     prompt = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(4))
     reference = target.generate(prompt, max_new_tokens=48, do_sample=False)
     out = target.generate(prompt, assistant_model=drafter, max_new_tokens=48, do_sample=False)
@@ -102,8 +105,10 @@ def test_rejected_suffix_lies_inside_the_cut_block(monkeypatch, use_policy):
     reference = target.generate(prompt, max_new_tokens=60, do_sample=False)
     use_policy(ProposalPolicy(reference, "partial", 96, seed=2))
     cuts = torch.Generator().manual_seed(3)
-    monkeypatch.setattr(ReTraceCandidateGenerator, "_confident_length",
-                        lambda self, logits: int(torch.randint(1, logits.shape[1] + 1, (1,), generator=cuts)))
+    original_logits = ReTraceCandidateGenerator._draft_logits
+    monkeypatch.setattr(ReTraceCandidateGenerator, "_confident_logits",
+                        lambda self, hidden: original_logits(self, hidden)[
+                            :, : int(torch.randint(1, hidden.shape[1] + 1, (1,), generator=cuts))])
     seen = []
     original = ReTraceCandidateGenerator.update_candidate_strategy
 

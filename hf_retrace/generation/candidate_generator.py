@@ -25,6 +25,7 @@ from .lookup import ContextLookup
 from .target_features import TargetTap
 
 PROPOSAL_MODES = ("argmax", "sample")
+LOOKUP_START_TOKENS = 2  # a lookup round's first budget; doubled after each fully accepted lookup block
 # warpers that never change which token has the largest logit: argmax proposals can skip them
 _ARGMAX_PRESERVING = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
@@ -65,7 +66,8 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.prompt_length = prompt_length
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        self.draft_head = drafter.draft_head_weight(self.lm_head)  # sliced once per call, not per round
+        # sliced (and cast to the drafter's dtype) once per call, not per round
+        self.draft_head = drafter.draft_head_weight(self.lm_head).to(drafter.dtype)
         self.draft_vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.to(self.draft_head.device)
         self.vocab_size = self.lm_head.weight.shape[0]
         self.block_size = drafter.config.block_size
@@ -92,6 +94,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.confidence_threshold = config.draft_confidence_threshold
         self.lookup = ContextLookup(config.lookup_max_ngram) if config.lookup else None
         self.lookup_min_ngram, self.lookup_num_tokens = config.lookup_min_ngram, config.lookup_num_tokens
+        # lookup's budget grows while its blocks are fully accepted (a loop) and falls back after a rejection:
+        # on CPUs where each verified token costs a fraction of a step, long unconfirmed lookups do not pay
+        self.lookup_budget = min(LOOKUP_START_TOKENS, self.lookup_num_tokens)
         self.draft_round: DraftRound | None = None
         self.rejected_suffix: RejectedSuffix | None = None
         self.kept_pending: list[tuple[int, int]] = []  # (position, rejected token) awaiting the committed token
@@ -120,7 +125,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         if num_drafts <= 0:
             return input_ids, None
         if self.lookup is not None:
-            budget = min(self.lookup_num_tokens, self.max_length - cur_len - 1)
+            budget = min(self.lookup_budget, self.max_length - cur_len - 1)
             candidates = self._lookup_round(input_ids, fresh, anchor_position, budget, started)
             if candidates is not None:
                 return candidates, None
@@ -140,9 +145,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.cache.crop(-self.block_size)  # keep the context K/V, drop the block's (negative: 4.57 and 5.x)
         self.cache_length = anchor_position
 
-        draft_logits = self._draft_logits(hidden[:, 1 : num_drafts + 1])
-        num_drafts = self._confident_length(draft_logits)
-        drafter_hidden, draft_logits = hidden[:, 1 : num_drafts + 1], draft_logits[:, :num_drafts]
+        draft_logits = self._confident_logits(hidden[:, 1 : num_drafts + 1])
+        num_drafts = draft_logits.shape[1]
+        drafter_hidden = hidden[:, 1 : num_drafts + 1]
         draft_tokens, draft_logits = self._propose(input_ids, draft_logits)
         draft_tokens = self._cut_after_eos(draft_tokens)
         k = draft_tokens.shape[1]
@@ -168,7 +173,11 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         k = draft.tokens.shape[0]
         self.stats.record_round(k, accepted, draft.fused, source="lookup" if draft.from_lookup else "drafter")
         self._score_kept_tokens(input_ids)
-        if accepted + 1 >= k or draft.from_lookup:  # nothing beyond the first rejection, or not the drafter's
+        if draft.from_lookup:
+            full = accepted >= k
+            self.lookup_budget = min(2 * k if full else max(LOOKUP_START_TOKENS, accepted + 1), self.lookup_num_tokens)
+            return  # ReTrace keeps the drafter's own trajectories only
+        if accepted + 1 >= k:  # nothing beyond the first rejection (or all accepted): nothing to keep
             return
         slots = torch.arange(accepted + 2, k + 1, device=draft.tokens.device)  # 1-based slots j = n+2 .. k
         rejected = draft.tokens[slots - 1]
@@ -207,15 +216,30 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self._verify_started = time.perf_counter()
         return torch.cat([input_ids, draft_tokens], dim=-1)
 
-    def _confident_length(self, draft_logits: torch.Tensor) -> int:
-        """How many slots to keep: all, or up to the first whose top probability is below the threshold (>= 1)."""
-        if self.confidence_threshold is None or draft_logits.shape[1] <= 1:
-            return draft_logits.shape[1]
-        top = draft_logits[0].softmax(-1).amax(-1)
-        unsure = (top[1:] < self.confidence_threshold).nonzero()  # slot 1 is always drafted
-        keep = int(unsure[0]) + 1 if unsure.numel() else draft_logits.shape[1]
-        self.stats.slot_confidences.append(top[:keep].tolist())
-        return keep
+    def _confident_logits(self, drafter_hidden: torch.Tensor) -> torch.Tensor:
+        """Draft logits of the slots to draft: all, or up to the first below the confidence threshold (>= 1 slot).
+
+        With a threshold the head runs chunk by chunk (2, then 4 slots, ...) and stops at the first unconfident slot:
+        a bf16 head costs in proportion to its rows on CPUs without bf16 units, and most rounds stop early.
+        """
+        total = drafter_hidden.shape[1]
+        if self.confidence_threshold is None or total <= 1:
+            return self._draft_logits(drafter_hidden)
+        chunks, tops, done, size = [], [], 0, 2
+        while done < total:
+            logits = self._draft_logits(drafter_hidden[:, done : done + size])
+            chunks.append(logits)
+            tops += logits[0].softmax(-1).amax(-1).tolist()
+            done += logits.shape[1]
+            size *= 2
+            unsure = [i for i in range(1, len(tops)) if tops[i] < self.confidence_threshold]  # slot 1 always drafted
+            if unsure:
+                keep = unsure[0]
+                break
+        else:
+            keep = total
+        self.stats.slot_confidences.append(tops[:keep])
+        return torch.cat(chunks, dim=1)[:, :keep]
     def _read_rejected_rows(self, window: torch.Tensor, anchor_position: int):
         """Complete the kept suffix with the target's tapped states at its rows; align it with the new block."""
         suffix = self.rejected_suffix

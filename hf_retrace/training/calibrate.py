@@ -50,7 +50,7 @@ def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256
             started = time.perf_counter()
             target(input_ids=ids[:, context_length : context_length + k + 1], past_key_values=cache, use_cache=True)
             times.append(time.perf_counter() - started)
-            cache.crop(context_length)
+            cache.crop(-(k + 1))  # negative: drop the k + 1 new positions (transformers 4.57 and 5.x)
         seconds.append(statistics.median(times))
     return [s / seconds[0] for s in seconds]
 
