@@ -55,5 +55,5 @@ def test_default_drafter_is_lossless_and_accepts_drafts_in_fp32(pair, lookup):
     stats = drafter.last_stats
     assert stats.mean_acceptance_length > 1.2, "the trained drafter should get drafts accepted"
     assert (stats.lookup_rounds > 0) == lookup
-    if not lookup:  # the drafter alone: its own drafts were accepted beyond slot 1 in some rounds
-        assert max(stats.acceptance_lengths) >= 3
+    if not lookup:  # the drafter alone: its own drafts were accepted in many rounds
+        assert sum(length > 1 for length in stats.acceptance_lengths) >= 0.2 * stats.rounds
