@@ -122,6 +122,8 @@ def build_candidate_generator(
     stack = getattr(_CALLS, "stack", None)
     if stack:
         stack[-1].append(generator)  # closed when the assisted loop returns or raises
+    else:  # transformers versions that build the generator before entering the assisted loop: adopted there
+        _CALLS.__dict__.setdefault("pending", []).append(generator)
     return generator
 
 
@@ -157,7 +159,7 @@ def _wrap_get_candidate_generator(original):
 def _wrap_assisted_decoding(original):
     def _assisted_decoding(self, *args, **kwargs):
         stack = _CALLS.__dict__.setdefault("stack", [])
-        stack.append([])
+        stack.append(_CALLS.__dict__.pop("pending", []))
         try:
             return original(self, *args, **kwargs)
         finally:  # every exit path: the target's layers never keep our hooks after the call
