@@ -184,6 +184,8 @@ def install() -> bool:
         return False
     for name, wrap in _HOOKED.items():
         current = getattr(GenerationMixin, name, None)
+        if current is None and name == "_assisted_decoding":
+            continue  # optional: only closes hooks early; the generator's finalizer still removes them
         if current is None:
             raise RuntimeError(
                 f"This transformers version has no GenerationMixin.{name}; hf_retrace cannot hook into generate. "
@@ -223,8 +225,9 @@ def attach(model: Any) -> Any:
     """The opt-in, per-model path: only this target instance dispatches hf_retrace drafters. Returns ``model``."""
     for name, wrap in _HOOKED.items():
         if not hasattr(model.__dict__.get(name), _WRAPPED):
-            original = getattr(type(model), name)
-            setattr(model, name, types.MethodType(wrap(original), model))
+            original = getattr(type(model), name, None)
+            if original is not None:
+                setattr(model, name, types.MethodType(wrap(original), model))
     return model
 
 
