@@ -58,7 +58,6 @@ def main() -> None:
                 target.generate(ids, assistant_model=drafter, **kwargs)
         finally:
             ReTraceCandidateGenerator.get_candidates = original
-        stats = drafter.last_stats
         # a clean timing run (no profiler) for c
         target.generate(ids, assistant_model=drafter, **kwargs)
         stats = drafter.last_stats
