@@ -1,46 +1,107 @@
-"""How much does a kept rejected suffix know? On training sequences, for the next block after each drafted block:
-how often the kept rejected draft d, and the target's own token t read from the verification (after the wrong
-prefix), equal the true token at each aligned slot. This decided ReTrace's refiner skip (d rather than t).
+"""How much does a kept rejected suffix know? ReTrace's premise, measured on training sequences the drafter never saw.
 
-    python examples/kept_suffix_signal.py --drafter runs/smollm2-dflash/export --data work_data/smollm2-tokenized
+For every drafted block (anchor ``s``, drafts ``d_1..d_{B-1}``, ``n`` leading drafts accepted, first rejection at
+slot ``r = n+1``) the kept suffix is ``d_j`` for ``j = r+1..B-1`` (or up to the adaptive cut). Its tokens are
+compared with the committed tokens (the data: the target's own greedy answers) at the same position and at a shift
+of -2..+2, grouped by where the first rejection fell; the target's own token read at a kept position (after the
+wrong prefix) is shown beside it. "adaptive" keeps only the slots the drafter would have drafted under its
+``draft_confidence_threshold`` (slot 1 always), as at inference.
+
+    python examples/kept_suffix_signal.py --drafter hf_retrace/default_drafter --data ~/.cache/hf_retrace_runs/tok \
+        --start 4000 --sequences 48 --markdown docs/retrace/kept-suffix-premise.md
 """
 
 import argparse
+from collections import defaultdict
 
 import torch
 
 import hf_retrace
-from hf_retrace.cli import load_target
+from hf_retrace.loading import load_target
 from hf_retrace.training.data import TokenizedDataset
 from hf_retrace.training.features import collate_sequences
 from hf_retrace.training.retrace_stage import ReTraceObjective
 
+SHIFTS = (-2, -1, 0, 1, 2)
+GROUPS = ("r=1", "r=2", "r=3", "r>=4", "all")
+
 parser = argparse.ArgumentParser()
 parser.add_argument("--drafter", required=True)
-parser.add_argument("--data", required=True)
+parser.add_argument("--data", required=True, help="tokenized folder (hf-retrace data tokenize)")
 parser.add_argument("--target", default=None)
-parser.add_argument("--start", type=int, default=4000)
-parser.add_argument("--sequences", type=int, default=12)
+parser.add_argument("--start", type=int, default=4000, help="first sequence (pick ones the drafter never trained on)")
+parser.add_argument("--sequences", type=int, default=48)
+parser.add_argument("--num-anchors", type=int, default=16)
+parser.add_argument("--threshold", type=float, default=None, help="adaptive cut (default: the drafter's own)")
+parser.add_argument("--markdown", default=None, help="also write the tables here")
 args = parser.parse_args()
-torch.set_num_threads(1)
-target, _ = load_target(args.target, "bf16")
-drafter = hf_retrace.ReTraceDrafter.from_pretrained(args.drafter, dtype=torch.bfloat16)
-objective = ReTraceObjective(drafter, target, num_anchors=16)
+target, _ = load_target(args.target, "fp32")
+drafter = hf_retrace.ReTraceDrafter.from_pretrained(args.drafter, dtype=torch.float32)
+threshold = args.threshold if args.threshold is not None else (drafter.config.draft_confidence_threshold or 0.0)
+objective = ReTraceObjective(drafter, target, num_anchors=args.num_anchors)
 data = TokenizedDataset(args.data)
-slots = drafter.config.block_size - 1
-total, hit_t, hit_d = torch.zeros(slots), torch.zeros(slots), torch.zeros(slots)
+block = drafter.config.block_size
+slots = torch.arange(1, block)  # 1-based draft slots
+
+# counts[mode][group]: blocks, blocks with a kept suffix, kept tokens, hits per shift, target-token hits
+counts = {mode: defaultdict(lambda: defaultdict(int)) for mode in ("full block", "adaptive")}
 for index in range(args.start, args.start + args.sequences):
     batch = collate_sequences([data[index]])
     with torch.no_grad():
         first = objective._first_pass(batch)
-        next_anchors, aligned = objective.align_next_block(first, slots + 1)
-        labels, valid = objective.labels(batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1),
-                                         next_anchors, first["anchor_valid"])
-    labels, valid = labels.reshape(-1, slots), valid.reshape(-1, slots) & aligned.valid
-    total += valid.sum(0)
-    hit_t += ((aligned.target_tokens == labels) & valid).sum(0)
-    hit_d += ((aligned.rejected_tokens == labels) & valid).sum(0)
-print("new slot          ", list(range(1, slots + 1)))
-print("P(t == true token)", [round(x, 2) for x in (hit_t / total.clamp(min=1)).tolist()])
-print("P(d == true token)", [round(x, 2) for x in (hit_d / total.clamp(min=1)).tolist()])
-print("aligned slots     ", [int(x) for x in total.tolist()])
+        weight, bias = objective._lm_head_weight(first["drafter_hidden"].dtype, first["drafter_hidden"].device)
+        confidence = torch.nn.functional.linear(first["drafter_hidden"], weight, bias).softmax(-1).amax(-1)[0]
+    ids, mask, lengths = batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1)
+    anchors, valid_anchor = first["anchors"], first["anchor_valid"]
+    shifted = {}
+    for k in SHIFTS:
+        labels, valid = objective.labels(ids, mask, lengths, (anchors + k).clamp(min=0), valid_anchor)
+        shifted[k] = (labels[0], valid[0] & (anchors[0, :, None] + k >= 0))
+    truth, truth_valid = shifted[0]
+    drafts, accepted, target_tokens = first["drafts"][0], first["accepted"][0], first["target_tokens"][0]
+    unconfident = (confidence < threshold) & (slots >= 2)
+    cut = torch.where(unconfident.any(-1), unconfident.float().argmax(-1), torch.full_like(accepted, block - 1))
+    for blk in range(drafts.shape[0]):
+        if not valid_anchor[0, blk] or not truth_valid[blk, 0]:
+            continue
+        n = int(accepted[blk])
+        r = n + 1
+        group = "r=1" if r == 1 else "r=2" if r == 2 else "r=3" if r == 3 else "r>=4"
+        for mode, last in (("full block", block - 1), ("adaptive", int(cut[blk]))):
+            if r > last:  # every drafted slot accepted (or the rejection fell past the cut): nothing rejected kept
+                kept_slots = []
+            else:
+                kept_slots = [j for j in range(r + 1, last + 1) if truth_valid[blk, j - 1]]
+            for g in (group, "all"):
+                c = counts[mode][g]
+                c["blocks"] += 1
+                c["rejected"] += int(r <= last)
+                c["with suffix"] += int(bool(kept_slots))
+                for j in kept_slots:
+                    c["kept"] += 1
+                    c["target"] += int(target_tokens[blk, j - 1] == truth[blk, j - 1])
+                    for k in SHIFTS:
+                        labels, valid = shifted[k]
+                        c[f"n{k}"] += int(valid[blk, j - 1])
+                        c[f"hit{k}"] += int(valid[blk, j - 1] and drafts[blk, j - 1] == labels[blk, j - 1])
+
+lines = [f"Drafter `{args.drafter}`, sequences {args.start}..{args.start + args.sequences - 1} of `{args.data}`, "
+         f"{args.num_anchors} anchors each, adaptive threshold {threshold}. r = slot of the first rejection; a kept "
+         "token d_j is compared with the committed token at position s+j+shift; t = the target's own token read at "
+         "the kept position (after the wrong prefix).", ""]
+for mode, table in counts.items():
+    lines += [f"**{mode}**", "", "| first rejection | blocks | share | with kept suffix | kept tokens | "
+              + " | ".join(f"d = committed @{k:+d}" for k in SHIFTS) + " | t = committed |",
+              "|---|---|---|---|---|" + "---|" * (len(SHIFTS) + 1)]
+    total = max(table["all"]["blocks"], 1)
+    for g in GROUPS:
+        c = table[g]
+        kept = max(c["kept"], 1)
+        cells = [f"{c[f'hit{k}'] / max(c[f'n{k}'], 1):.1%}" for k in SHIFTS]
+        lines.append(f"| {g} | {c['blocks']} | {c['blocks'] / total:.0%} | {c['with suffix'] / max(c['blocks'], 1):.0%} "
+                     f"| {c['kept']} | " + " | ".join(cells) + f" | {c['target'] / kept:.1%} |")
+    lines.append("")
+print("\n".join(lines))
+if args.markdown:
+    with open(args.markdown, "w") as f:
+        f.write("# ReTrace's premise: what a kept rejected suffix knows\n\n" + "\n".join(lines))

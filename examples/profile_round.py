@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import hf_retrace  # noqa: F401  (installs the generate hook)
-from hf_retrace.cli import load_drafter, load_target
+from hf_retrace.loading import load_drafter, load_target
 from hf_retrace.side_by_side import chat_input_ids
 
 PROMPT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "

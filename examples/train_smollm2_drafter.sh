@@ -6,7 +6,8 @@
 #     nohup bash examples/train_smollm2_drafter.sh all > ~/.cache/hf_retrace_runs/train.log 2>&1 &
 #
 # Work (tokenized data, features, checkpoints) goes to $HF_RETRACE_RUNS (default ~/.cache/hf_retrace_runs),
-# outside the work tree. Steps: tokenize | features | backbone | export | calibrate | all.
+# outside the work tree. Steps: tokenize | features | backbone | export | calibrate | all, and retrace (the ReTrace
+# module on the shipped, frozen backbone: docs/retrace/retrace-vs-backbone.md; not part of `all`, it ships off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=${1:-all}
@@ -48,12 +49,21 @@ calibrate() {
   hf-retrace calibrate --target default --drafter "${DRAFTER:-$RUN/export}" --data "$TOK" --sequences 4900:4932 \
       --limit 24 --max-new-tokens 96 --num-threads 2 --json "$RUNS/calibration.json" --write "$@"
 }
+retrace() {
+  # exact verification signals (one extra target forward per sequence), 16 anchors, float32 target (faster here)
+  hf-retrace train --stage retrace --target default --data "$TOK" --init-from hf_retrace/default_drafter \
+      --out "$RUNS/rt-frozen" --resume --verification exact --num-anchors 16 --gamma 4 --batch-size 2 --grad-accum 2 \
+      --lr 1e-3 --warmup-ratio 0.03 --max-steps 560 --max-sequences 3900 --holdout 16 --num-threads 2 --seed 0 \
+      --target-dtype float32 --save-dtype bfloat16 --eval-every 280 --eval-limit 6 --eval-max-new-tokens 64 \
+      --save-every 40 --keep-checkpoints 2 "$@"
+}
 case "$STEP" in
   tokenize) tokenize ;;
   features) features "$@" ;;
   backbone) backbone "$@" ;;
   export) export_run ;;
   calibrate) calibrate "$@" ;;
+  retrace) retrace "$@" ;;
   all) tokenize; features --limit "$SEQUENCES"; backbone "$@"; export_run; calibrate ;;
-  *) echo "unknown step $STEP (tokenize | features | backbone | export | calibrate | all)" >&2; exit 2 ;;
+  *) echo "unknown step $STEP (tokenize | features | backbone | export | calibrate | all | retrace)" >&2; exit 2 ;;
 esac

@@ -7,49 +7,8 @@ import json
 import sys
 from typing import Any
 
-DTYPES = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16"}
-
-
-def load_target(target: str | None, dtype: str = "bf16", quantization: str | None = None):
-    """(target model, tokenizer) from a Hub id / folder, or the embedded default when ``None``/"default"."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from . import defaults
-
-    torch_dtype = getattr(torch, DTYPES[dtype])
-    if target in (None, "default"):
-        print(f"[hf-retrace] target: {defaults.describe_default_target_source()}", file=sys.stderr)
-        target = str(defaults.ensure_default_target())
-    kwargs: dict[str, Any] = {"dtype": torch_dtype}
-    if quantization:
-        from transformers import BitsAndBytesConfig
-
-        bits = {"8bit": dict(load_in_8bit=True), "4bit": dict(load_in_4bit=True, bnb_4bit_compute_dtype=torch_dtype)}
-        kwargs |= {"quantization_config": BitsAndBytesConfig(**bits[quantization]), "device_map": "cpu"}
-    model = AutoModelForCausalLM.from_pretrained(target, **kwargs).eval()
-    return model, AutoTokenizer.from_pretrained(target)
-
-
-def load_drafter(drafter: str | None, dtype: str = "bf16"):
-    """A drafter from a Hub id / folder, or the one shipped for the embedded default when ``None``/"default"."""
-    import torch
-
-    from . import defaults
-    from .modeling import ReTraceDrafter
-
-    path = defaults.default_drafter_path() if drafter in (None, "default") else drafter
-    return ReTraceDrafter.from_pretrained(path, dtype=getattr(torch, DTYPES[dtype])).eval()
-
-
-def load_pair(target: str | None, drafter: str | None, dtype: str = "bf16", quantization: str | None = None):
-    """(target, tokenizer, drafter); ``None`` or "default" picks the embedded default for either."""
-    if drafter in (None, "default"):
-        from . import defaults
-
-        defaults.default_drafter_path()  # fail before the target is loaded when no drafter ships
-    model, tokenizer = load_target(target, dtype, quantization)
-    return model, tokenizer, load_drafter(drafter, dtype)
+# load_target stays importable from here for scripts written against earlier versions
+from .loading import MAX_NEW_TOKENS, SHORT_DTYPES, dtype_arg, load_drafter, load_pair, load_target, torch_dtype  # noqa: F401
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -78,6 +37,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import ExportError, export_zlab
+
+    drafter = load_drafter(args.drafter, "fp32")
+    try:
+        out = export_zlab(drafter, args.out, dtype=torch_dtype(args.dtype), overwrite=args.overwrite)
+    except ExportError as e:
+        raise SystemExit(f"hf-retrace export: {e}") from None
+    left_out = " (its ReTrace module is not part of DFlash and was left out)" if drafter.retrace is not None else ""
+    print(f"[hf-retrace] DFlash backbone written in the z-lab layout to {out}{left_out}", file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-retrace", description="Lossless speculative decoding with ReTrace.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -89,30 +61,37 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    gen.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
     gen.add_argument("--no-retrace", action="store_true", help="use the DFlash backbone alone")
     gen.add_argument("--json", action="store_true", help="print the answer, tau and both speeds as JSON")
     gen.set_defaults(func=cmd_generate)
 
+    exp = sub.add_parser("export", help="write a drafter's DFlash backbone in the z-lab layout (vLLM, SGLang, dflash)")
+    exp.add_argument("--drafter", default=None, help="folder or Hub id (default: the drafter shipped here)")
+    exp.add_argument("--out", required=True, help="an empty or new folder")
+    exp.add_argument("--layout", choices=("zlab",), default="zlab", help="the layout written (z-lab's DFlash)")
+    exp.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16",
+                     help="dtype of the written weights")
+    exp.add_argument("--overwrite", action="store_true", help="replace the files of a non-empty --out")
+    exp.set_defaults(func=cmd_export)
+
     from .bench.commands import register as register_bench
     from .training.commands import register as register_training
 
+    from .demo import register as register_demo
+
     register_training(sub)
     register_bench(sub)
-    try:
-        from .demo import register as register_demo
-    except ImportError:  # pragma: no cover - the demo module is optional until built
-        register_demo = None
-    if register_demo is not None:
-        register_demo(sub)
+    register_demo(sub)
     return parser
 
 
 def validate_generate_args(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise SystemExit("hf-retrace generate: the prompt is empty; pass some text to answer.")
-    if not 1 <= args.max_new_tokens <= 8192:
-        raise SystemExit(f"hf-retrace generate: --max-new-tokens must be in 1..8192, got {args.max_new_tokens}.")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise SystemExit(f"hf-retrace generate: --max-new-tokens must be in 1..{MAX_NEW_TOKENS}, "
+                         f"got {args.max_new_tokens}.")
     if args.temperature < 0:
         raise SystemExit(f"hf-retrace generate: --temperature must be >= 0, got {args.temperature}.")
 

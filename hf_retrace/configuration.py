@@ -22,6 +22,30 @@ def build_target_layer_ids(num_target_layers: int, num_draft_features: int) -> l
     return [int(round(start + i * span / (num_draft_features - 1))) for i in range(num_draft_features)]
 
 
+def drafter_target_mismatches(drafter_config: Any, target_config: Any) -> list[str]:
+    """Why a drafter cannot draft for a target, read from the two configs (empty: it fits). The one rule, used by
+    ``generate``'s dispatch, the benchmark and training: a DFlash drafter borrows the target's embeddings, lm_head and
+    hidden states, so vocabulary, width and depth must be the target's."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    d = drafter_config
+    problems = []
+    if d.vocab_size != text.vocab_size:
+        problems.append(f"the drafter was built for a vocabulary of {d.vocab_size} tokens (vocab_size) but the target "
+                        f"has {text.vocab_size}")
+    if d.hidden_size != text.hidden_size:
+        problems.append(f"the drafter's hidden size is {d.hidden_size} but the target has {text.hidden_size}")
+    bad = [i for i in d.target_layer_ids if not 0 <= i < text.num_hidden_layers]
+    if bad:
+        problems.append(f"the drafter reads target layers {d.target_layer_ids}, but the target has only "
+                        f"{text.num_hidden_layers} layers (target_layer_ids {bad} out of range)")
+    if d.num_target_layers not in (None, text.num_hidden_layers):
+        problems.append(f"the drafter was built for a {d.num_target_layers}-layer target (num_target_layers) and "
+                        f"the target has {text.num_hidden_layers}")
+    if not d.learned_mask_embedding and d.mask_token_id is not None and not 0 <= d.mask_token_id < text.vocab_size:
+        problems.append(f"the drafter's mask_token_id {d.mask_token_id} is not a row of the target's embeddings")
+    return problems
+
+
 MAX_DRAFTER_PARAMETERS = 20_000_000_000  # refuse absurd configs before a single weight is allocated
 
 

@@ -338,7 +338,7 @@ def default_drafter_path() -> Path:
     """The folder of the drafter shipped with the package for the default target."""
     if not (DEFAULT_DRAFTER_DIR / "config.json").is_file():
         raise FileNotFoundError(
-            f"the default drafter is not built yet (no config.json in {DEFAULT_DRAFTER_DIR}); "
-            "build it with `hf-retrace train ...`, or pass the path of a trained drafter explicitly"
+            f"the drafter that ships with hf_retrace is missing (no config.json in {DEFAULT_DRAFTER_DIR}): the "
+            "installation is incomplete. Reinstall hf_retrace, or pass the path of a trained drafter explicitly"
         )
     return DEFAULT_DRAFTER_DIR

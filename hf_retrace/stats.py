@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -45,6 +47,29 @@ class GenerationStats:
         if not self.acceptance_lengths:
             return 0.0
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    @classmethod
+    def pooled(cls, all_stats: Iterable["GenerationStats"]) -> "GenerationStats":
+        """One GenerationStats holding every round of ``all_stats`` (per-position counters summed slot by slot): its
+        ``mean_acceptance_length`` is tau pooled over all rounds (vLLM's convention)."""
+        all_stats = list(all_stats)
+        pooled = cls()
+        for f in dataclasses.fields(cls):
+            values = [getattr(s, f.name) for s in all_stats]
+            if f.name.endswith("_at_position"):
+                width = max((len(v) for v in values), default=0)
+                setattr(pooled, f.name, [sum(v[i] for v in values if i < len(v)) for i in range(width)])
+            elif isinstance(getattr(pooled, f.name), list):
+                setattr(pooled, f.name, [x for v in values for x in v])
+            else:
+                setattr(pooled, f.name, sum(values))
+        return pooled
+
+    @staticmethod
+    def mean_tau_per_request(all_stats: Iterable["GenerationStats"]) -> float | None:
+        """tau averaged over requests that drafted at least once (z-lab's convention); None when none did."""
+        taus = [s.mean_acceptance_length for s in all_stats if s is not None and s.rounds]
+        return sum(taus) / len(taus) if taus else None
 
     @property
     def per_position_acceptance(self) -> list[float]:

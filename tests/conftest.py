@@ -54,6 +54,44 @@ def tiny_target(
     return model.eval().to(dtype)
 
 
+SPECIALS = ["[UNK]", "<|user|>", "<|assistant|>", "<|end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def word_level_tokenizer(vocab_size: int = 96) -> PreTrainedTokenizerFast:
+    """A whitespace word-level tokenizer with exactly ``vocab_size`` ids (a tiny target's; every id decodes) and a chat
+    template, so the CLI's tokenize/generate paths run on tiny saved targets."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = SPECIALS + "the a of to and is in it you that he was for on are with as I his they be at one have " \
+        "this from or had by hot word but what some we can out other were all there when up use your how said an " \
+        "each she which do their time if will way about many then them write would like so these her long make " \
+        "thing see him two has look more day could go come did number sound no most people my".split()
+    words += [f"w{i}" for i in range(vocab_size - len(words))]
+    assert len(words) == vocab_size
+    model = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    model.pre_tokenizer = pre_tokenizers.Whitespace()
+    model.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]", chat_template=CHAT_TEMPLATE)
+
+
+def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A GPT-2-style byte-level tokenizer of exactly 96 ids (the printable bytes 32..127, no merges): what
+    ``StopStringCriteria`` needs (its token strings), on a tiny target of ``vocab_size=96``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["Ġ"] + [chr(b) for b in range(33, 128)]  # "Ġ" is the byte-level symbol of the space
+    model = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(chars)}, merges=[]))
+    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    model.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=model)
+
+
 def tiny_drafter(
     target,
     block_size: int = 6,

@@ -11,9 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from conftest import tiny_drafter, tiny_target, word_level_tokenizer
 
 from hf_retrace import cli
 from hf_retrace.bench import runner
@@ -22,11 +20,6 @@ from hf_retrace.bench.report import markdown_report, write_markdown, write_plots
 from hf_retrace.bench.runner import ALL_METHODS, BenchInputError, BenchSpec, find_divergence, plan_benchmark
 
 VOCAB = 96
-SPECIALS = ["[UNK]", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 ROW_FIELDS = (
     "dataset", "method", "temperature", "prompts", "requests", "new_tokens", "decode_tokens", "generate_seconds",
     "prefill_seconds", "decode_seconds", "decode_seconds_per_token", "tokens_per_second", "speedup", "tau",
@@ -37,20 +30,6 @@ ROW_FIELDS = (
 )
 
 
-def word_level_tokenizer() -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer whose vocabulary is exactly the tiny target's (every id decodes)."""
-    words = SPECIALS + "the a of to and is in it you that he was for on are with as I his they be at one have " \
-        "this from or had by hot word but what some we can out other were all there when up use your how said an " \
-        "each she which do their time if will way about many then them write would like so these her long make " \
-        "thing see him two has look more day could go come did number sound no most people my".split()
-    words += [f"w{i}" for i in range(VOCAB - len(words))]
-    assert len(words) == VOCAB
-    model = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    model.pre_tokenizer = pre_tokenizers.Whitespace()
-    model.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]", chat_template=CHAT_TEMPLATE)
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
     """Folders: a tiny Llama target with its tokenizer, a drafter with a (random, trained-flagged) ReTrace module,
@@ -58,7 +37,7 @@ def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench")
     target = tiny_target(family="llama", vocab_size=VOCAB, dtype=torch.float32, logit_scale=4.0)
     target.save_pretrained(root / "target")
-    word_level_tokenizer().save_pretrained(root / "target")
+    word_level_tokenizer(VOCAB).save_pretrained(root / "target")
     tiny_drafter(target, block_size=6, retrace="random").save_pretrained(root / "drafter")
     tiny_drafter(target, block_size=4, retrace=None, learned_mask_embedding=True).save_pretrained(root / "dflash_only")
     tiny_drafter(target, block_size=4, retrace="random", seed=5).save_pretrained(root / "no_gate_drafter")

@@ -140,10 +140,10 @@ def test_find_gguf_does_not_import_package():
 
 def test_default_drafter_missing(monkeypatch, tmp_path):
     monkeypatch.setattr(defaults, "DEFAULT_DRAFTER_DIR", tmp_path / "default_drafter")
-    with pytest.raises(FileNotFoundError, match="hf-retrace train"):
+    with pytest.raises(FileNotFoundError, match="installation is incomplete.*path of a trained drafter"):
         default_drafter_path()
     (tmp_path / "default_drafter").mkdir()
-    with pytest.raises(FileNotFoundError, match="not built yet"):
+    with pytest.raises(FileNotFoundError, match="is missing"):
         default_drafter_path()
 
 

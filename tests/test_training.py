@@ -379,6 +379,10 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
     # the target does not exist: any model loading would fail differently
     with pytest.raises(SystemExit, match="not empty"):
         cmd_train(_train_args("--target", "no/such-model", "--data", str(data), "--out", str(out)))
+    # --overwrite deletes a previous run's output only, never a folder of other files
+    with pytest.raises(SystemExit, match="previous run's output only"):
+        cmd_train(_train_args("--target", "no/such-model", "--data", str(data), "--out", str(out), "--overwrite"))
+    assert (out / "something").read_text() == "x"
     with pytest.raises(SystemExit, match="manifest"):
         cmd_train(_train_args("--target", "default", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "o2")))
     with pytest.raises(SystemExit, match="--init-from"):
@@ -388,6 +392,27 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
         cmd_train(_train_args("--target", "default", "--data", str(data), "--out", str(tmp_path / "o4"),
                               "--eval-prompts", str(tmp_path / "missing.jsonl")))
     assert not (tmp_path / "o2").exists() and not (tmp_path / "o3").exists()
+
+
+def test_resume_with_changed_settings_is_refused_with_the_differences_listed(tmp_path, counting_target):
+    from hf_retrace.training.commands import RUN_SETTINGS, check_resume_settings, run_settings
+
+    data = _tokenized(tmp_path)
+    base = ["--target", "default", "--data", str(data), "--out", str(tmp_path / "run"), "--block-size", "4"]
+    drafter = make_drafter(counting_target, block_size=4)
+    settings = run_settings(_train_args(*base, "--batch-size", "2"), drafter.config, num_processes=1)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / RUN_SETTINGS).write_text(json.dumps(settings))
+    check_resume_settings(tmp_path / "run", settings)  # same settings: continues
+    # the same global batch split over two processes is the same experiment
+    check_resume_settings(tmp_path / "run", run_settings(_train_args(*base, "--batch-size", "1"), drafter.config, 2))
+    changed = run_settings(_train_args(*base, "--batch-size", "4", "--lr", "1e-4"), drafter.config, 1)
+    with pytest.raises(SystemExit, match=r"global_batch: 2 in the run, 4 now; lr: 0.0006 in the run, 0.0001 now"):
+        check_resume_settings(tmp_path / "run", changed)
+    other_shape = make_drafter(counting_target, block_size=6)
+    with pytest.raises(SystemExit, match="drafter"):
+        check_resume_settings(tmp_path / "run", run_settings(_train_args(*base, "--batch-size", "2"),
+                                                             other_shape.config, 1))
 
 
 def test_cli_refuses_to_train_or_calibrate_on_held_out_benchmark_folders(tmp_path, monkeypatch):
@@ -402,7 +427,7 @@ def test_cli_refuses_to_train_or_calibrate_on_held_out_benchmark_folders(tmp_pat
     drafter = tmp_path / "d"
     drafter.mkdir()
     (drafter / "config.json").write_text("{}")
-    monkeypatch.setattr("hf_retrace.training.commands._load_target", lambda *a: pytest.fail("loaded a model"))
+    monkeypatch.setattr("hf_retrace.training.commands.load_target", lambda *a: pytest.fail("loaded a model"))
     with pytest.raises(SystemExit, match="benchmark folder"):
         main(["calibrate", "--target", "default", "--drafter", str(drafter), "--prompts", str(prompts)])
     monkeypatch.delenv("HF_RETRACE_HELD_OUT_DIRS")

@@ -7,6 +7,7 @@ import re
 import sys
 from pathlib import Path
 
+from ..loading import dtype_arg
 from .datasets import DATASETS
 from .runner import ALL_METHODS, DEFAULT_METHODS, MAIN_DRAFTER, BenchInputError, BenchSpec, plan_benchmark
 
@@ -125,7 +126,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench.add_argument("--drafter", action="append", metavar="[NAME=]PATH",
                        help="drafter folder (default: the shipped one); NAME=PATH gives a method its own drafter, "
                             "e.g. no_gate=./drafter-no-gate for retrace-no_gate; repeatable")
-    bench.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    bench.add_argument("--dtype", type=dtype_arg, choices=("bf16", "fp32"), default="bf16")
     bench.add_argument("--quantization", choices=("8bit", "4bit"), default=None, help="bitsandbytes target")
     bench.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
     bench.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")

@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..configuration import RETRACE_ABLATIONS
+from ..configuration import RETRACE_ABLATIONS, drafter_target_mismatches
 from ..side_by_side import Run, chat_input_ids, timed_generate
 from ..stats import GenerationStats
 from .datasets import DATASETS, BenchPrompt, load_prompts
@@ -279,21 +279,12 @@ def _drafter_config(path: str):
 
 
 def _check_drafter_fits_target(config: Any, path: str, target_config: Any, target_path: str) -> None:
-    """Compare the drafter's vocab_size / hidden_size / num_target_layers with the target's config.json."""
-    wanted = {
-        "vocab_size": (config.vocab_size, target_config.vocab_size),
-        "hidden_size": (config.hidden_size, target_config.hidden_size),
-        "num_target_layers": (config.num_target_layers, target_config.num_hidden_layers),
-    }
-    wrong = [f"{k} {d} != {t}" for k, (d, t) in wanted.items() if d is not None and d != t]
-    out_of_range = [i for i in config.target_layer_ids if not 0 <= i < target_config.num_hidden_layers]
-    if out_of_range:
-        wrong.append(f"target_layer_ids {config.target_layer_ids} reach past the target's "
-                     f"{target_config.num_hidden_layers} layers")
+    """The drafter's config against the target's config.json (:func:`drafter_target_mismatches`, the one rule)."""
+    wrong = drafter_target_mismatches(config, target_config)
     if wrong:
         raise BenchInputError(
-            f"the drafter {path} was built for another target than {target_path} ({'; '.join(wrong)}, drafter vs "
-            "target). Pass the drafter trained for this target, or the target it was trained for."
+            f"the drafter {path} was built for another target than {target_path} ({'; '.join(wrong)}). Pass the "
+            "drafter trained for this target, or the target it was trained for."
         )
 
 
@@ -311,8 +302,8 @@ def _why_method_cannot_run(method: Method, config: Any) -> str | None:
 
 
 def load_models(plan: BenchPlan) -> tuple[Any, Any, dict[str, Any]]:
-    """(target, tokenizer, {drafter path: drafter}), loaded through the CLI's loaders."""
-    from ..cli import load_drafter, load_target
+    """(target, tokenizer, {drafter path: drafter}), loaded through :mod:`hf_retrace.loading`."""
+    from ..loading import load_drafter, load_target
 
     spec = plan.spec
     target, tokenizer = load_target(plan.target_path, spec.dtype, spec.quantization)
@@ -591,21 +582,6 @@ def bf16_ulp(magnitude: float) -> float:
 # --------------------------------------------------------------------------- aggregation
 
 
-def pool_stats(all_stats: list[GenerationStats]) -> GenerationStats:
-    """One GenerationStats holding every round of ``all_stats`` (per-position counters summed slot by slot)."""
-    pooled = GenerationStats()
-    for f in dataclasses.fields(GenerationStats):
-        values = [getattr(s, f.name) for s in all_stats]
-        if f.name.endswith("_at_position"):
-            width = max((len(v) for v in values), default=0)
-            setattr(pooled, f.name, [sum(v[i] for v in values if i < len(v)) for i in range(width)])
-        elif isinstance(getattr(pooled, f.name), list):
-            setattr(pooled, f.name, [x for v in values for x in v])
-        else:
-            setattr(pooled, f.name, sum(values))
-    return pooled
-
-
 def summarize(turns: list[TurnResult], method: Method, plain_seconds_per_token: float | None,
               temperature: float) -> dict[str, Any]:
     """The metrics of one dataset x method x temperature (see the module docstring for each definition)."""
@@ -629,13 +605,12 @@ def summarize(turns: list[TurnResult], method: Method, plain_seconds_per_token: 
         "speedup": speedup,
     }
     all_stats = [t.stats for t in turns if t.stats is not None]
-    pooled = pool_stats(all_stats)
+    pooled = GenerationStats.pooled(all_stats)
     if method.kind == "plain":  # GenerationStats: "plain decoding has tau = 1"
         row |= {"tau": 1.0, "tau_per_request": 1.0, "tau_per_round": 1.0, "rounds": None,
                 "per_position_acceptance": [], "acceptance_length_histogram": {}}
     else:
-        per_request = [s.mean_acceptance_length for s in all_stats if s.rounds]
-        tau_per_request = sum(per_request) / len(per_request) if per_request else None
+        tau_per_request = GenerationStats.mean_tau_per_request(all_stats)
         row |= {
             "tau": tau_per_request,
             "tau_per_request": tau_per_request,

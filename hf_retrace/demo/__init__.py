@@ -12,9 +12,10 @@ import re
 import sys
 from pathlib import Path
 
+from ..loading import MAX_NEW_TOKENS, SHORT_DTYPES, dtype_arg
+
 __all__ = ["register", "cmd_demo"]
 
-_DTYPE_CHOICES = ("bf16", "fp16", "fp32")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -30,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", default=False, help="also open a public *.gradio.live link")
-    p.add_argument("--dtype", choices=_DTYPE_CHOICES, default="fp32",
+    p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="fp32",
                    help="weights dtype (fp32 default: greedy output is then bit-identical to plain decoding)")
     p.add_argument("--concurrency", type=int, default=2, help="requests generating at the same time (queue beyond)")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="the largest answer length a request may ask for")
@@ -76,8 +77,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
         return _fail(f"--port must be in 1..65535, got {args.port}.")
     if args.concurrency < 1:
         return _fail(f"--concurrency must be at least 1, got {args.concurrency}.")
-    if not 1 <= args.max_new_tokens <= 8192:
-        return _fail(f"--max-new-tokens must be in 1..8192, got {args.max_new_tokens}.")
+    if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        return _fail(f"--max-new-tokens must be in 1..{MAX_NEW_TOKENS}, got {args.max_new_tokens}.")
     message = _check_drafter_arg(args.drafter)
     if message is None and args.target not in (None, "default") and not Path(args.target).expanduser().exists():
         message = _not_a_hub_id("--target", args.target)

@@ -34,6 +34,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from ..generation.dispatch import check_target
 from ..side_by_side import chat_input_ids
+from ..stats import GenerationStats
 
 __all__ = [
     "METHODS",
@@ -110,8 +111,10 @@ class RoundStreamer(BaseStreamer):
     """A streamer for one ``generate`` call that hands complete :class:`RoundInfo` objects to ``sink``.
 
     Runs in the generating thread. With a drafter, the round info comes from that thread's live
-    ``GenerationStats.round_log``; a round is posted at the following ``put`` (or ``end``), when the candidate
-    generator has recorded it. Without a drafter every ``put`` is one plain token.
+    ``GenerationStats.round_log``: hf_retrace hands a round's tokens to the streamer once the round is verified,
+    recorded and checked for stops (:mod:`hf_retrace.generation.stopping`), so each ``put`` is posted at once with the
+    newest recorded round, or as a round without drafts (the prefill). Without a drafter every ``put`` is one plain
+    token.
     """
 
     def __init__(self, sink: Callable[[RoundInfo], None], drafter: Any = None, started: float | None = None):
@@ -132,8 +135,8 @@ class RoundStreamer(BaseStreamer):
             for t in tokens:
                 self._sink(RoundInfo((t,), seconds=now))
             return
-        self._post_pending()
         self._pending = (tokens, now)
+        self._post_pending()
 
     def end(self) -> None:
         self._post_pending()
@@ -233,7 +236,12 @@ class SideState:
     def tau(self) -> float:
         """Tokens committed per target forward over the drafting rounds (the drafter's tau); 1 for plain decoding."""
         rounds = self.drafted_rounds
-        return sum(r.accepted + 1 for r in rounds) / len(rounds) if rounds else (1.0 if self.rounds else 0.0)
+        if not rounds:
+            return 1.0 if self.rounds else 0.0
+        stats = GenerationStats()  # tau is defined once, there
+        for r in rounds:
+            stats.record_round(r.drafted, r.accepted, r.fused)
+        return stats.mean_acceptance_length
 
     @property
     def tokens_per_second(self) -> float:
@@ -371,8 +379,8 @@ class DemoEngine:
     def from_pretrained(
         cls, target: str | None = None, drafter: str | None = None, dtype: str = "fp32", **kwargs: Any
     ) -> "DemoEngine":
-        """Load a target/drafter pair (Hub ids or folders; ``None`` = the embedded default) with ``cli.load_pair``."""
-        from ..cli import load_pair
+        """Load a target/drafter pair (Hub ids or folders; ``None`` = the embedded default) with ``loading.load_pair``."""
+        from ..loading import load_pair
 
         try:
             model, tokenizer, draft_model = load_pair(target, drafter, dtype)

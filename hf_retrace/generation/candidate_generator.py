@@ -109,9 +109,14 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         """Release what the call holds on the target (its layer hooks on transformers 4.57); idempotent."""
         self.tap.close()
 
-    @torch.no_grad()
     def get_candidates(self, input_ids: torch.LongTensor, model_outputs: Any = None, **kwargs: Any):
         """Return ``(prompt + committed + drafts, processed draft logits or None)``."""
+        candidates, logits = self._candidates(input_ids, model_outputs)
+        self.last_candidates = candidates  # the loop may run its stopping criteria on it (4.57): not committed yet
+        return candidates, logits
+
+    @torch.no_grad()
+    def _candidates(self, input_ids: torch.LongTensor, model_outputs: Any):
         if not self.tap.has_window(model_outputs):  # the prefill has not run yet: let it run undrafted
             return self._undrafted_prefill(input_ids), None
         started = time.perf_counter()

@@ -7,6 +7,7 @@ behaviour. Users who refuse a global patch set ``HF_RETRACE_NO_GLOBAL_PATCH=1`` 
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import types
@@ -15,7 +16,9 @@ from typing import Any
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
+from ..configuration import drafter_target_mismatches
 from .candidate_generator import ReTraceCandidateGenerator
+from .stopping import PerTokenStopping, StopAwareStreamer, trim_output
 
 _WRAPPED = "_hf_retrace_wrapped"
 _OURS: set[int] = set()
@@ -28,32 +31,15 @@ def is_drafter(assistant_model: Any) -> bool:
 
 def check_target(drafter: Any, target: Any) -> None:
     """Raise a ValueError saying what to do when ``drafter`` cannot draft for ``target``."""
-    text_config = target.config.get_text_config()
     name = getattr(target.config, "_name_or_path", "") or type(target).__name__
-    dcfg = drafter.config
-    if text_config.vocab_size != dcfg.vocab_size:
-        raise ValueError(
-            f"The drafter was built for a vocabulary of {dcfg.vocab_size} tokens but the target {name} has "
-            f"{text_config.vocab_size}. A DFlash drafter borrows the target's embeddings and lm_head, so it only "
-            "works with the target (family) it was trained for: load the drafter trained for this target."
-        )
-    if text_config.hidden_size != dcfg.hidden_size:
-        raise ValueError(
-            f"The drafter's hidden size is {dcfg.hidden_size} but the target {name} has {text_config.hidden_size}. "
-            "Load the drafter trained for this target."
-        )
-    num_layers = text_config.num_hidden_layers
-    bad = [i for i in dcfg.target_layer_ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(
-            f"The drafter reads target layers {dcfg.target_layer_ids}, but the target {name} has only {num_layers} "
-            f"layers (ids {bad} are out of range). This drafter was trained for a deeper target."
-        )
     if target.get_input_embeddings() is None or target.get_output_embeddings() is None:
         raise ValueError(f"The target {name} must expose input embeddings and an lm_head for the drafter to borrow.")
-    if not dcfg.learned_mask_embedding and not 0 <= dcfg.mask_token_id < target.get_input_embeddings().weight.shape[0]:
+    problems = drafter_target_mismatches(drafter.config, target.config)
+    if problems:
         raise ValueError(
-            f"The drafter's mask_token_id {dcfg.mask_token_id} is not a row of the target's embedding table."
+            f"The drafter does not fit the target {name}: " + "; ".join(problems) + ". A DFlash drafter borrows the "
+            "target's embeddings, lm_head and hidden states, so it only works with the target (family) it was "
+            "trained for: load the drafter trained for this target."
         )
 
 
@@ -76,6 +62,14 @@ def check_generation_mode(generation_mode: Any, generation_config: Any) -> None:
             f"This call passes an hf_retrace drafter together with another speculation setting ({settings}); only one "
             "can draft. Drop that setting to use the drafter, or drop `assistant_model` to use it. (For the drafter "
             "plus context lookup in one generator, set `drafter.config.lookup = True`.)"
+        )
+    guidance = getattr(generation_config, "guidance_scale", None)
+    if guidance is not None and guidance != 1:
+        raise ValueError(
+            f"guidance_scale={guidance}: classifier-free guidance runs its own unconditional forward, with a cache that "
+            "advances each time its logits processor runs; on drafted tokens it would advance for tokens the target "
+            "then rejects, and the output would differ from plain generate. Drop guidance_scale, or drop "
+            "`assistant_model`."
         )
     if generation_config.num_return_sequences > 1:
         raise ValueError(
@@ -156,12 +150,32 @@ def _wrap_get_candidate_generator(original):
     return _get_candidate_generator
 
 
+def _stop_per_token(original, self, args: tuple, kwargs: dict, generators: list):
+    """(args, kwargs, stopping) with the call's stopping criteria checked at every committed token, and its streamer
+    held back until each round's check ran (``stopping`` is None when the call has no criteria to wrap)."""
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    criteria = bound.arguments.get("stopping_criteria")
+    input_ids = bound.arguments.get("input_ids")
+    if criteria is None or input_ids is None or input_ids.shape[0] != 1:
+        return args, kwargs, None
+    stopping = PerTokenStopping(criteria, input_ids.shape[1], generators)
+    bound.arguments["stopping_criteria"] = stopping
+    if bound.arguments.get("streamer") is not None:
+        bound.arguments["streamer"] = StopAwareStreamer(bound.arguments["streamer"], stopping)
+    return bound.args[1:], bound.kwargs, stopping
+
+
 def _wrap_assisted_decoding(original):
     def _assisted_decoding(self, *args, **kwargs):
         stack = _CALLS.__dict__.setdefault("stack", [])
-        stack.append(_CALLS.__dict__.pop("pending", []))
+        pending = _CALLS.__dict__.pop("pending", [])
+        stack.append(pending)
+        stopping = None
         try:
-            return original(self, *args, **kwargs)
+            if pending or is_drafter(kwargs.get("assistant_model")):  # our call: stop where plain decoding stops
+                args, kwargs, stopping = _stop_per_token(original, self, args, kwargs, pending)
+            output = original(self, *args, **kwargs)
+            return output if stopping is None else trim_output(output, stopping.stop_at, stopping.prompt_length)
         finally:  # every exit path: the target's layers never keep our hooks after the call
             for generator in stack.pop():
                 generator.close()

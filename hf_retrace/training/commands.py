@@ -22,9 +22,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..loading import SHORT_DTYPES, dtype_arg, load_target, resolve_target, torch_dtype
+from .features import DEFAULT_MAX_BATCH_TOKENS
+from .objective import DEFAULT_GAMMA
+
 __all__ = ["register", "cmd_train", "cmd_data", "build_train_parser"]
 
-DTYPE_CHOICES = ("bfloat16", "float16", "float32")
 
 
 def _fail(message: str) -> SystemExit:
@@ -38,27 +41,6 @@ def _parse_ids(text: str | None) -> list[int] | None:
         return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
     except ValueError:
         raise _fail(f"expected a comma-separated list of integers, got {text!r}") from None
-
-
-def _resolve_target_path(target: str) -> str:
-    if target in (None, "default"):
-        from .. import defaults
-
-        print(f"[hf-retrace] {defaults.describe_default_target_source()}", file=sys.stderr)
-        return str(defaults.ensure_default_target())
-    return target
-
-
-def _load_target(target: str, dtype: str):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = _resolve_target_path(target)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model, tokenizer, path
 
 
 HELD_OUT_ENV_VAR = "HF_RETRACE_HELD_OUT_DIRS"  # os.pathsep-separated folders of benchmark prompts
@@ -81,8 +63,51 @@ def _refuse_held_out(path: Path, flag: str) -> None:
                     "train and calibrate on training data only.")
 
 
+def _is_main_launch_process() -> bool:
+    """True outside ``accelerate launch``/torchrun, and in its rank-0 process (before any Accelerator exists)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _folder_is_empty(path: Path) -> bool:
     return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+RUN_MARKERS = ("drafter_init.json", "train_log.jsonl", "run_settings.json", "checkpoints")  # a run's own files
+RUN_SETTINGS = "run_settings.json"
+# the drafter fields that make a checkpoint's weights fit (or not)
+_SHAPE_FIELDS = ("block_size", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "target_layer_ids", "draft_vocab_size", "learned_mask_embedding",
+                 "mask_token_id", "retrace")
+
+
+def run_settings(args: argparse.Namespace, drafter_config: Any, num_processes: int) -> dict[str, Any]:
+    """What defines a run as one experiment: a ``--resume`` with any of these changed would be another one."""
+    return {
+        "stage": args.stage, "target": args.target, "data": str(Path(args.data).resolve()),
+        "max_sequences": args.max_sequences, "holdout": args.holdout, "seed": args.seed,
+        "init_from": args.init_from, "joint": args.joint, "verification": args.verification,
+        "retrace_ablation": args.retrace_ablation, "num_anchors": args.num_anchors, "gamma": args.gamma,
+        "global_batch": args.batch_size * num_processes * args.grad_accum, "grad_accum": args.grad_accum,
+        "lr": args.lr, "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio,
+        "max_grad_norm": args.max_grad_norm, "epochs": args.epochs, "max_steps": args.max_steps,
+        "bf16": args.bf16, "target_dtype": args.target_dtype,
+        "drafter": {name: getattr(drafter_config, name, None) for name in _SHAPE_FIELDS},
+    }
+
+
+def check_resume_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Refuse a ``--resume`` whose settings differ from the run's in ``out``, listing every difference."""
+    path = out / RUN_SETTINGS
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    changed = [f"{key}: {saved.get(key)!r} in the run, {value!r} now" for key, value in settings.items()
+               if saved.get(key) != value]
+    if changed:
+        raise _fail(f"--resume continues the run in {out}, but these settings differ from it: " + "; ".join(changed)
+                    + ". Pass the run's own settings to continue it, or start a new --out (to train its drafter "
+                    f"further under new settings: --init-from {out}/export after `export_checkpoint`, or from its "
+                    "saved drafter).")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -121,7 +146,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--joint", action="store_true",
                    help="--stage retrace: also fine-tune the backbone (use a small --lr); default: backbone frozen")
     p.add_argument("--num-anchors", type=int, default=32)
-    p.add_argument("--gamma", type=float, default=7.0, help="position decay exp(-(k-1)/gamma); <=0: uniform")
+    p.add_argument("--gamma", type=float, default=DEFAULT_GAMMA,
+                   help="position decay exp(-(k-1)/gamma); <=0: uniform")
     # optimisation
     p.add_argument("--batch-size", type=int, default=1, help="sequences per device per micro-batch")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -132,8 +158,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
-    p.add_argument("--target-dtype", choices=DTYPE_CHOICES, default="bfloat16")
-    p.add_argument("--save-dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    p.add_argument("--target-dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
+    p.add_argument("--save-dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
     p.add_argument("--max-sequences", type=int, default=None, help="train on the first N sequences only")
     p.add_argument("--holdout", type=int, default=0,
                    help="keep the last N sequences out of training (their prompts evaluate tau without --eval-prompts)")
@@ -217,11 +243,18 @@ def validate_train_args(args: argparse.Namespace) -> dict[str, Any]:
     if out.exists() and not out.is_dir():
         raise _fail(f"--out {out} is a file.")
     has_checkpoint = (out / "checkpoints").is_dir()
+    # under `accelerate launch` only the main process checks, empties and writes --out (the others would see its files)
+    if not _is_main_launch_process():
+        return {"manifest": manifest, "has_checkpoint": has_checkpoint}
     if not _folder_is_empty(out) and not (args.resume or args.overwrite):
         raise _fail(f"--out {out} is not empty. Pass --resume to continue a run there, --overwrite to start over, "
                     "or choose a new folder.")
     if args.resume and args.overwrite:
         raise _fail("--resume and --overwrite exclude each other.")
+    if args.overwrite and not _folder_is_empty(out) and not any((out / name).exists() for name in RUN_MARKERS):
+        sample = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise _fail(f"--overwrite deletes a previous run's output only, but {out} holds other files ({sample}); "
+                    "nothing was deleted. Choose a new --out, or empty that folder yourself.")
     if args.target != "default" and not Path(args.target).exists() and "/" not in args.target:
         raise _fail(f"--target {args.target}: not a folder, a Hub id (owner/name) nor 'default'.")
     return {"manifest": manifest, "has_checkpoint": has_checkpoint}
@@ -305,7 +338,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     started = time.time()
     facts = validate_train_args(args)
     out = Path(args.out)
-    if args.overwrite and out.exists():
+    if args.overwrite and out.exists() and _is_main_launch_process():
         import shutil
 
         shutil.rmtree(out)
@@ -328,6 +361,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     from .objective import DFlashObjective
     from .trainer import (
+        ADAMW_BETAS,
+        SUMMARY_FILE,
         TauEvaluator,
         Trainer,
         TrainingArguments,
@@ -336,20 +371,21 @@ def cmd_train(args: argparse.Namespace) -> int:
         write_model_card,
     )
 
-    target, tokenizer, target_path = _load_target(args.target, args.target_dtype)
+    target_path = resolve_target(args.target)
+    target, tokenizer = load_target(target_path, args.target_dtype, frozen=True)
     sequences = TokenizedDataset(args.data)
     vocab = target.config.get_text_config().vocab_size
     if facts["manifest"].get("vocab_size", vocab) > vocab:
         raise _fail(f"--data was tokenized with a {facts['manifest']['vocab_size']}-token vocabulary but the target "
                     f"has {vocab}: tokenize with the target's tokenizer.")
     drafter, init = _build_drafter(args, target, torch.float32)
-    if args.resume and (out / "drafter_init.json").is_file():
-        saved = json.loads((out / "drafter_init.json").read_text())
-        if saved.get("config") != json.loads(drafter.config.to_json_string()):
-            print("[hf-retrace] note: the resumed run's drafter config differs from these flags; using the "
-                  "checkpoint's weights with the current config.", file=sys.stderr)
-    (out / "drafter_init.json").write_text(json.dumps(
-        {"init": init, "config": json.loads(drafter.config.to_json_string())}, indent=2))
+    settings = run_settings(args, drafter.config, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.resume:
+        check_resume_settings(out, settings)
+    if _is_main_launch_process():
+        (out / RUN_SETTINGS).write_text(json.dumps(settings, indent=2))
+        (out / "drafter_init.json").write_text(json.dumps(
+            {"init": init, "config": json.loads(drafter.config.to_json_string())}, indent=2))
 
     num = len(sequences) if args.max_sequences is None else min(args.max_sequences, len(sequences))
     if args.holdout >= num:
@@ -440,7 +476,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                 f"target layers {drafter.config.target_layer_ids}, {args.num_anchors} anchors, "
                                 f"gamma {args.gamma}, lr {args.lr}, warmup {args.warmup_ratio}, cosine, "
                                 f"batch {args.batch_size}x{args.grad_accum}x{acc.num_processes}, "
-                                f"{'bf16' if args.bf16 else 'fp32'}, AdamW(0.9, 0.95, wd {args.weight_decay}), clip "
+                                f"{'bf16' if args.bf16 else 'fp32'}, AdamW{ADAMW_BETAS}, wd {args.weight_decay}, clip "
                                 f"{args.max_grad_norm}"),
             "command": ("hf-retrace train " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", [])))
             .replace(str(Path.home()), "~"),
@@ -449,7 +485,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             "eval_max_new_tokens": args.eval_max_new_tokens,
         }
         write_model_card(out, info)
-        (out / "training_summary.json").write_text(json.dumps(
+        (out / SUMMARY_FILE).write_text(json.dumps(
             {**summary, "final_eval": final_eval, "wall_seconds_this_process": time.time() - started,
              "info": info}, indent=2, default=str))
         acc.print(f"[hf-retrace] drafter saved to {out}")
@@ -462,12 +498,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             upload_file(path_or_fileobj=str(out / "README.md"), path_in_repo="README.md", repo_id=args.push_to_hub)
             acc.print(f"[hf-retrace] pushed to https://huggingface.co/{args.push_to_hub}")
     return 0
-
-
-def latest_checkpoint_or_none(out: Path):
-    from .trainer import latest_checkpoint
-
-    return latest_checkpoint(out)
 
 
 def _hub_id(path: str) -> str | None:
@@ -494,7 +524,7 @@ def cmd_data(args: argparse.Namespace) -> int:
                 data_mod.validate_prompt_file(path)
             except (FileNotFoundError, ValueError) as error:
                 raise _fail(f"--prompts: {error}") from None
-        target, tokenizer, _ = _load_target(args.target, args.dtype)
+        target, tokenizer = load_target(args.target, args.dtype, frozen=True)
         prompts = []
         for path in args.prompts:
             prompts += data_mod.read_prompts(path, limit=args.limit, suffix=args.suffix)
@@ -513,7 +543,7 @@ def cmd_data(args: argparse.Namespace) -> int:
         missing = [p for p in args.responses if not Path(p).exists()]
         if missing:
             raise _fail(f"--responses: not found: {missing}")
-        tokenizer = AutoTokenizer.from_pretrained(_resolve_target_path(args.target))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target))
         manifest = data_mod.tokenize_responses(tokenizer, args.responses, args.out, max_length=args.max_length)
         print(f"[hf-retrace] {manifest['num_sequences']} sequences, {manifest['num_tokens']} tokens "
               f"({manifest['num_response_tokens']} response tokens) in {args.out}")
@@ -524,12 +554,12 @@ def cmd_data(args: argparse.Namespace) -> int:
 
         if not (Path(args.data) / "manifest.json").is_file():
             raise _fail(f"--data {args.data}: no manifest.json (run `hf-retrace data tokenize` first).")
-        target, _, _ = _load_target(args.target, args.dtype)
+        target, _ = load_target(args.target, args.dtype, frozen=True)
         layers = _parse_ids(args.target_layer_ids) or build_target_layer_ids(
             target.config.get_text_config().num_hidden_layers, args.num_target_features)
         import torch
 
-        storage = getattr(torch, args.storage_dtype) if args.storage_dtype else None
+        storage = torch_dtype(args.storage_dtype) if args.storage_dtype else None
         manifest = precompute_features(target, data_mod.TokenizedDataset(args.data), args.out, layers,
                                        max_batch_tokens=args.max_batch_tokens, limit=args.limit,
                                        storage_dtype=storage)
@@ -585,9 +615,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     sequences = _check_calibration_args(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    target, tokenizer, _ = _load_target(args.target, args.dtype)
+    target, tokenizer = load_target(args.target, args.dtype, frozen=True)
     prompts = _calibration_prompts(args, tokenizer, sequences)
-    drafter = ReTraceDrafter.from_pretrained(args.drafter, dtype=getattr(torch, args.dtype)).eval()
+    drafter = ReTraceDrafter.from_pretrained(args.drafter, dtype=torch_dtype(args.dtype)).eval()
     result = calibrate_confidence_threshold(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
     print(f"[hf-retrace] c = {result['draft_cost_c']:.3f}; verify cost of k drafts (x one step): "
           + ", ".join(f"{k}:{v:.2f}" for k, v in enumerate(result["verify_costs"])))
@@ -627,7 +657,7 @@ def register(subparsers: Any) -> None:
     gen.add_argument("--batch-size", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    gen.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
     gen.set_defaults(func=cmd_data)
     tok = dsub.add_parser("tokenize", help="responses -> input_ids + loss_mask shards (manifest.json)")
     tok.add_argument("--target", required=True, help="whose tokenizer/chat template (Hub id, folder, default)")
@@ -641,11 +671,11 @@ def register(subparsers: Any) -> None:
     feat.add_argument("--out", required=True)
     feat.add_argument("--num-target-features", type=int, default=5)
     feat.add_argument("--target-layer-ids", default=None)
-    feat.add_argument("--max-batch-tokens", type=int, default=8192)
+    feat.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS)
     feat.add_argument("--limit", type=int, default=None)
-    feat.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16",
+    feat.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16",
                       help="the target's dtype for the forward (float32 is ~2.5x faster on CPUs without bf16 units)")
-    feat.add_argument("--storage-dtype", choices=DTYPE_CHOICES, default=None,
+    feat.add_argument("--storage-dtype", type=dtype_arg, choices=SHORT_DTYPES, default=None,
                       help="dtype on disk (default: --dtype; bfloat16 halves the disk of a float32 forward)")
     feat.set_defaults(func=cmd_data)
 
@@ -658,7 +688,7 @@ def register(subparsers: Any) -> None:
     cal.add_argument("--prompts", default=None, help="or: a prompt JSONL file (never dev/)")
     cal.add_argument("--limit", type=int, default=24, help="prompts used")
     cal.add_argument("--max-new-tokens", type=int, default=96)
-    cal.add_argument("--dtype", choices=DTYPE_CHOICES, default="bfloat16")
+    cal.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
     cal.add_argument("--num-threads", type=int, default=None)
     cal.add_argument("--json", default=None, help="write the full table here")
     cal.add_argument("--write", action="store_true", help="store the best threshold in the drafter's config.json")

@@ -48,6 +48,9 @@ _STORAGE = {  # torch dtype name -> (numpy storage dtype, torch view dtype)
 }
 
 
+DEFAULT_MAX_BATCH_TOKENS = 8192  # padded tokens per target forward when features are precomputed
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
@@ -135,7 +138,7 @@ def precompute_features(
     target_layer_ids: Sequence[int],
     *,
     shard_sequences: int = 256,
-    max_batch_tokens: int = 8192,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
     storage_dtype: torch.dtype | None = None,
     limit: int | None = None,
     progress: bool = True,

@@ -48,17 +48,24 @@ def sample_anchors(
     loss_mask: torch.Tensor,
     lengths: torch.Tensor,
     num_anchors: int,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to ``num_anchors`` distinct anchors per sequence among the valid positions, sorted.
 
     Returns ``(anchors [b, N] long, anchor_valid [b, N] bool)``; padded anchors (sequences with fewer valid
-    positions than ``N``) are set to 0 and marked invalid. Uses ``generator`` (CPU) for reproducibility.
+    positions than ``N``) are set to 0 and marked invalid. Uses ``generator`` (CPU) for reproducibility: one for the
+    batch, or a list with one per row (the trainer's choice, so that a row's anchors do not depend on how the global
+    batch is split over processes).
     """
     valid = valid_anchor_positions(loss_mask, lengths).cpu()
     b, t = valid.shape
     # random keys; invalid positions get +inf so that the N smallest keys are a uniform sample of the valid ones
-    keys = torch.rand(b, t, generator=generator)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != b:
+            raise ValueError(f"sample_anchors got {len(generator)} generators for a batch of {b} rows.")
+        keys = torch.stack([torch.rand(t, generator=g) for g in generator]) if b else torch.rand(0, t)
+    else:
+        keys = torch.rand(b, t, generator=generator)
     keys = keys.masked_fill(~valid, float("inf"))
     n = min(num_anchors, t)
     order = keys.argsort(dim=1)[:, :n]
@@ -94,6 +101,9 @@ def build_block_attention_mask(
     return torch.cat([ctx_visible, same_block], dim=-1)[:, None]
 
 
+DEFAULT_GAMMA = 7.0  # DFlash's position decay for block 16 (block 8 trains well with ~4)
+
+
 def decay_weights(block_size: int, gamma: float | None, device=None) -> torch.Tensor:
     """``[B-1]`` weights ``exp(-(k-1)/gamma)`` for slots ``k = 1..B-1`` (all ones when ``gamma`` is None/<=0)."""
     k = torch.arange(1, block_size, device=device, dtype=torch.float32)
@@ -127,7 +137,7 @@ class DFlashObjective(nn.Module):
         input_embeddings: nn.Module,
         lm_head: nn.Module,
         num_anchors: int = 32,
-        gamma: float | None = 7.0,
+        gamma: float | None = DEFAULT_GAMMA,
     ):
         super().__init__()
         self.drafter = drafter
@@ -257,6 +267,7 @@ class DFlashObjective(nn.Module):
             # expected accepted length under teacher forcing: sum_k prod_{j<=k} acc_j (a quick tau proxy)
             metrics = {
                 "loss": loss.detach(),
+                "loss_weight": denom.detach(),  # the loss's denominator: the trainer normalises over all processes
                 "acc": correct.mean() if correct.numel() else correct.new_zeros(()),
                 "acc_slot": acc_slot,
                 "slot_correct": slot_correct,

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..retrace import AlignedSuffix
 from .features import tapped_hidden_states
-from .objective import DFlashObjective, sample_anchors
+from .objective import DEFAULT_GAMMA, DFlashObjective, sample_anchors
 
 VERIFICATION_MODES = ("exact", "teacher-forced")
 
@@ -30,7 +30,8 @@ class ReTraceObjective(DFlashObjective):
     """``forward(batch) -> (loss, metrics)`` for the ReTrace stage; ``batch`` as for :class:`DFlashObjective`
     without ``target_hidden`` (the target runs here: its cache is needed for exact verification)."""
 
-    def __init__(self, drafter, target, num_anchors: int = 16, gamma: float | None = 7.0, verification: str = "exact"):
+    def __init__(self, drafter, target, num_anchors: int = 16, gamma: float | None = DEFAULT_GAMMA,
+                 verification: str = "exact"):
         if verification not in VERIFICATION_MODES:
             raise ValueError(f"verification must be one of {VERIFICATION_MODES}, got {verification!r}.")
         if drafter.retrace is None:

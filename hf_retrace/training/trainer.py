@@ -34,7 +34,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..configuration import ReTraceConfig, build_target_layer_ids
+from ..configuration import ReTraceConfig, build_target_layer_ids, drafter_target_mismatches
+from ..loading import torch_dtype
+from ..stats import GenerationStats
 from .features import collate_sequences
 from .objective import tau_proxy
 
@@ -58,6 +60,7 @@ CHECKPOINT_OPTIMIZER = "optimizer.pt"  # tensors and numbers only: loaded with w
 TRAINER_STATE = "trainer_state.json"
 LOG_FILE = "train_log.jsonl"
 SUMMARY_FILE = "training_summary.json"
+ADAMW_BETAS = (0.9, 0.95)
 
 
 def backbone_parameters(name: str) -> bool:
@@ -129,24 +132,7 @@ def drafter_config_from_target(
 
 def check_drafter_matches_target(drafter_config: ReTraceConfig, target_config: Any, target_name: str = "the target") -> None:
     """Raise a ValueError (what differs, what to do) when the drafter cannot be trained for this target."""
-    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    problems = []
-    if drafter_config.vocab_size != text.vocab_size:
-        problems.append(f"vocab_size {drafter_config.vocab_size} != target's {text.vocab_size}")
-    if drafter_config.hidden_size != text.hidden_size:
-        problems.append(f"hidden_size {drafter_config.hidden_size} != target's {text.hidden_size}")
-    bad = [i for i in drafter_config.target_layer_ids if not 0 <= i < text.num_hidden_layers]
-    if bad:
-        problems.append(
-            f"target_layer_ids {drafter_config.target_layer_ids} reach beyond the target's {text.num_hidden_layers} layers"
-        )
-    if drafter_config.num_target_layers not in (None, text.num_hidden_layers):
-        problems.append(
-            f"the drafter was built for a {drafter_config.num_target_layers}-layer target, {target_name} has "
-            f"{text.num_hidden_layers}"
-        )
-    if not drafter_config.learned_mask_embedding and not 0 <= drafter_config.mask_token_id < text.vocab_size:
-        problems.append(f"mask_token_id {drafter_config.mask_token_id} is not a row of the target's embeddings")
+    problems = drafter_target_mismatches(drafter_config, target_config)
     if problems:
         raise ValueError(
             f"The drafter does not match {target_name}: " + "; ".join(problems) + ". A DFlash drafter borrows the "
@@ -239,7 +225,7 @@ class TauEvaluator:
         was_training = drafter.training
         drafter.eval()
         device = next(self.target.parameters()).device
-        taus, rounds, new_tokens = [], 0, 0
+        all_stats = []
         started = time.perf_counter()
         try:
             for ids in prompts:
@@ -252,18 +238,16 @@ class TauEvaluator:
                     input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
                     max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad,
                 )
-                stats = drafter.last_stats
-                if stats is not None and stats.rounds:
-                    taus.append(stats.mean_acceptance_length)
-                    rounds += len(stats.acceptance_lengths)
-                    new_tokens += sum(stats.acceptance_lengths)
+                if drafter.last_stats is not None:
+                    all_stats.append(drafter.last_stats)
         finally:
             drafter.train(was_training)
+        pooled = GenerationStats.pooled(all_stats)
         return {
-            "tau": float(np.mean(taus)) if taus else 0.0,
-            "tau_pooled": new_tokens / rounds if rounds else 0.0,
+            "tau": GenerationStats.mean_tau_per_request(all_stats) or 0.0,
+            "tau_pooled": pooled.mean_acceptance_length,
             "eval_prompts": len(prompts),
-            "eval_rounds": rounds,
+            "eval_rounds": pooled.rounds,
             "eval_seconds": time.perf_counter() - started,
         }
 
@@ -382,8 +366,11 @@ class Trainer:
 
         self.args = args
         self.out_dir = Path(args.out_dir)
+        # `accelerate launch --multi_gpu --num_processes N` on a machine without GPUs: N gloo processes on the CPU
+        cpu_processes = int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
         self.accelerator = accelerator or Accelerator(
-            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum
+            mixed_precision=args.mixed_precision, gradient_accumulation_steps=args.grad_accum,
+            cpu=cpu_processes or None,
         )
         self.objective = objective
         self.dataset = train_dataset
@@ -412,7 +399,7 @@ class Trainer:
         steps_per_epoch = self.micro_per_epoch / args.grad_accum
         self.total_steps = int(args.max_steps) if args.max_steps else max(1, int(args.epochs * steps_per_epoch))
         self.warmup_steps = int(math.ceil(args.warmup_ratio * self.total_steps))
-        optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=ADAMW_BETAS)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             optimizer, _lr_lambda(self.total_steps, self.warmup_steps, args.min_lr_ratio)
         )
@@ -443,9 +430,24 @@ class Trainer:
         )
         return iter(loader)
 
-    def _anchor_generator(self, micro_step: int) -> torch.Generator:
-        seed = (self.args.seed * 1_000_003 + micro_step) * 1009 + self.accelerator.process_index
-        return torch.Generator().manual_seed(seed % (2**63))
+    def _anchor_generators(self, micro_step: int) -> list[torch.Generator]:
+        """One generator per local row, seeded by ``(seed, micro_step, row of the global batch)``: a sequence gets the
+        same anchors whether the global batch runs on one process or is split over many."""
+        bs, rank = self.args.batch_size, self.accelerator.process_index
+        seeds = [((self.args.seed * 1_000_003 + micro_step) * 1009 + rank * bs + i) % (2**63) for i in range(bs)]
+        return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+    def _global_mean(self, loss: torch.Tensor, metrics: dict[str, Any]) -> torch.Tensor:
+        """The loss as a share of the whole global micro-batch's: ``local_sum * world / global_weight``.
+
+        Gradients are averaged over processes, so this makes a step equal to one process's step over the same global
+        batch (the weighted mean over all of its labels), whatever the number of processes."""
+        acc = self.accelerator
+        if acc.num_processes == 1 or "loss_weight" not in metrics:
+            return loss
+        local = metrics["loss_weight"].detach().to(device=acc.device, dtype=torch.float64).reshape(1)
+        total = acc.reduce(local.clone(), reduction="sum")
+        return loss * (local * acc.num_processes / total.clamp_min(1e-12)).to(loss.dtype).reshape(())
 
     # --- checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -557,9 +559,11 @@ class Trainer:
                 batch = _to_device(next(batches), acc.device)
                 if self.feature_fn is not None:
                     batch = self.feature_fn(batch)
-                batch["anchor_generator"] = self._anchor_generator(self.state.micro_step)
+                rows = batch["input_ids"].shape[0]
+                batch["anchor_generator"] = self._anchor_generators(self.state.micro_step)[:rows]
                 with acc.accumulate(self.model):
                     loss, metrics = self.model(batch)
+                    loss = self._global_mean(loss, metrics)
                     acc.backward(loss)
                     if acc.sync_gradients:
                         grad_norm = acc.clip_grad_norm_(self.trainable_params, args.max_grad_norm)
@@ -568,7 +572,7 @@ class Trainer:
                         self.scheduler.step()
                     self.optimizer.zero_grad(set_to_none=True)
                 self.state.micro_step += 1
-                sums["loss"] += float(metrics["loss"]) / args.grad_accum
+                sums["loss"] += float(loss.detach()) / args.grad_accum
                 slot_correct += metrics["slot_correct"].float().cpu()
                 slot_counts += metrics["slot_counts"].float().cpu()
                 step_tokens += int(metrics["num_tokens"])
@@ -624,8 +628,8 @@ class Trainer:
         if self.accelerator.is_main_process:
             drafter = self.unwrapped_drafter()
             original = next(drafter.parameters()).dtype
-            drafter.to(getattr(torch, dtype))
-            drafter.config.dtype = dtype
+            drafter.to(torch_dtype(dtype))
+            drafter.config.dtype = str(torch_dtype(dtype)).removeprefix("torch.")
             drafter.save_pretrained(out, safe_serialization=True)
             drafter.to(original)
         self.accelerator.wait_for_everyone()
@@ -653,7 +657,7 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
         config.retrace = True
     drafter = ReTraceDrafter(config)
     drafter.load_state_dict(state, strict=True)
-    drafter.to(getattr(torch, dtype))
+    drafter.to(torch_dtype(dtype))
     drafter.config.dtype = dtype
     drafter.save_pretrained(out_dir, safe_serialization=True)
     return Path(out_dir)

@@ -1,0 +1,109 @@
+"""Data-parallel training proved with two processes: `accelerate launch --num_processes 2` (CPU, gloo) runs
+`hf-retrace train` on a tiny target; with the same global batch and seed its loss curve and weights equal the
+one-process run's (float32, up to the order of the gradient all-reduce), its checkpoints resume in either mode, and
+only the main process writes the log and the model card."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_target, word_level_tokenizer
+from safetensors.torch import load_file
+
+from hf_retrace.cli import main
+
+VOCAB = 96
+STEPS = 6
+TOLERANCE = 1e-4  # relative, on every logged loss; absolute on every weight (float32, all-reduce order only)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny saved target with its tokenizer, and 16 tokenized training sequences of one length each."""
+    root = tmp_path_factory.mktemp("ddp")
+    target = tiny_target(family="llama", vocab_size=VOCAB, dtype=torch.float32, logit_scale=4.0)
+    target.save_pretrained(root / "target")
+    word_level_tokenizer(VOCAB).save_pretrained(root / "target")
+    gen = np.random.default_rng(0)
+    words = [w for w in word_level_tokenizer(VOCAB).get_vocab() if w.isalpha()]  # one token each, none unknown
+    # equal lengths and loss masks, different words: each process really sees other sequences
+    records = [{"id": f"r{i}", "prompt": " ".join(gen.choice(words, 4)), "response": " ".join(gen.choice(words, 12)),
+                "finish": "stop"} for i in range(16)]
+    (root / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["data", "tokenize", "--target", str(root / "target"), "--responses", str(root / "answers.jsonl"),
+                 "--out", str(root / "tok"), "--max-length", "64"]) == 0
+    return root
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train(root: Path, out: Path, processes: int, *extra: str) -> None:
+    """``hf-retrace train`` under ``accelerate launch`` with ``processes`` CPU processes and a global batch of 2."""
+    args = ["train", "--target", str(root / "target"), "--data", str(root / "tok"), "--out", str(out),
+            "--block-size", "4", "--num-layers", "1", "--target-layer-ids", "0,2", "--num-anchors", "3",
+            "--gamma", "4", "--batch-size", str(2 // processes), "--grad-accum", "2", "--lr", "3e-3",
+            "--max-steps", str(STEPS), "--save-every", "2", "--keep-checkpoints", "5", "--seed", "0",
+            "--target-dtype", "float32", "--save-dtype", "float32", "--num-threads", "1", "--no-progress", *extra]
+    # --multi_gpu is accelerate's multi-process launcher (torchrun); without GPUs the trainer runs it on gloo
+    mode = "--multi_gpu" if processes > 1 else "--cpu"
+    launch = [sys.executable, "-m", "accelerate.commands.launch", mode, "--num_processes", str(processes),
+              "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+              "--main_process_port", str(_free_port()), "-m", "hf_retrace.cli", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"accelerate launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+
+
+def _log(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+def _assert_same_run(a: Path, b: Path) -> None:
+    log_a, log_b = _log(a), _log(b)
+    assert [r["step"] for r in log_a] == [r["step"] for r in log_b] == list(range(1, STEPS + 1))
+    losses_a, losses_b = np.array([r["loss"] for r in log_a]), np.array([r["loss"] for r in log_b])
+    assert np.allclose(losses_a, losses_b, rtol=TOLERANCE, atol=0), f"loss curves differ:\n{losses_a}\n{losses_b}"
+    assert [r["tokens"] for r in log_a] == [r["tokens"] for r in log_b]
+    wa, wb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.allclose(wa[name], wb[name], atol=TOLERANCE, rtol=0), name
+
+
+def _resume_from_step_2(source: Path, out: Path) -> None:
+    """A copy of ``source`` as it was at step 2: later checkpoints, the final drafter and the later log lines gone."""
+    shutil.copytree(source / "checkpoints" / "step-2", out / "checkpoints" / "step-2")
+    (out / "train_log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _log(source)[:2]))
+
+
+def test_two_processes_match_one_and_resume_in_either_mode(tiny_run, tmp_path):
+    root = tiny_run
+    _train(root, tmp_path / "one", 1)
+    _train(root, tmp_path / "two", 2)
+    _assert_same_run(tmp_path / "one", tmp_path / "two")
+
+    # only the main process writes: one log line per step (no duplicates), one model card, one summary
+    assert len(_log(tmp_path / "two")) == STEPS
+    assert (tmp_path / "two" / "README.md").is_file() and (tmp_path / "two" / "training_summary.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step-2", "step-4", "step-6"]
+
+    # a two-process checkpoint resumed by one process, and a one-process checkpoint resumed by two
+    _resume_from_step_2(tmp_path / "two", tmp_path / "two_then_one")
+    _train(root, tmp_path / "two_then_one", 1, "--resume")
+    _assert_same_run(tmp_path / "one", tmp_path / "two_then_one")
+    _resume_from_step_2(tmp_path / "one", tmp_path / "one_then_two")
+    _train(root, tmp_path / "one_then_two", 2, "--resume")
+    _assert_same_run(tmp_path / "one", tmp_path / "one_then_two")
