@@ -46,6 +46,14 @@ def dtype_arg(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def portable_path(text: str) -> str:
+    """``text`` with the user's home folder written ``~``: what reports and model cards record instead of a machine's
+    absolute paths."""
+    from pathlib import Path
+
+    return str(text).replace(str(Path.home()), "~")
+
+
 def resolve_target(target: str | None) -> str:
     """A loadable target path or Hub id: ``None`` / "default" is the embedded default (converted once, offline)."""
     if target in (None, "default"):

@@ -731,10 +731,14 @@ def run_benchmark(spec: BenchSpec, plan: BenchPlan | None = None) -> dict[str, A
 
 
 def _settings(plan: BenchPlan) -> dict[str, Any]:
+    from .. import defaults
+    from ..loading import portable_path
+
     spec = plan.spec
+    default = spec.target in (None, "default")
     return {
-        "target": plan.target_path,
-        "drafters": dict(plan.drafter_paths),
+        "target": f"{defaults.DEFAULT_TARGET_HUB_ID} (converted default)" if default else portable_path(plan.target_path),
+        "drafters": {name: portable_path(path) for name, path in plan.drafter_paths.items()},
         "datasets": {name: len(prompts) for name, prompts in plan.prompts.items()},
         "methods": [m.name for m in plan.methods],
         "temperatures": list(spec.temperatures),

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..loading import SHORT_DTYPES, dtype_arg, load_target, resolve_target, torch_dtype
+from ..loading import SHORT_DTYPES, dtype_arg, load_target, portable_path, resolve_target, torch_dtype
 from .features import DEFAULT_MAX_BATCH_TOKENS
 from .objective import DEFAULT_GAMMA
 
@@ -471,15 +471,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             "time": f"{summary['seconds'] / 60:.1f} min of training ({hours:.2f} h)",
             "hardware": f"{acc.num_processes} x {acc.device.type} ({platform.processor() or platform.machine()}, "
                         f"{os.cpu_count()} cores)" if acc.device.type == "cpu" else f"{acc.num_processes} x {acc.device}",
-            "stage": f"{args.stage}; drafter {init}; features {mode}".replace(str(Path.home()), "~"),
+            "stage": portable_path(f"{args.stage}; drafter {init}; features {mode}"),
             "hyperparameters": (f"block {drafter.config.block_size}, {drafter.config.num_hidden_layers} layers, "
                                 f"target layers {drafter.config.target_layer_ids}, {args.num_anchors} anchors, "
                                 f"gamma {args.gamma}, lr {args.lr}, warmup {args.warmup_ratio}, cosine, "
                                 f"batch {args.batch_size}x{args.grad_accum}x{acc.num_processes}, "
                                 f"{'bf16' if args.bf16 else 'fp32'}, AdamW{ADAMW_BETAS}, wd {args.weight_decay}, clip "
                                 f"{args.max_grad_norm}"),
-            "command": ("hf-retrace train " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", [])))
-            .replace(str(Path.home()), "~"),
+            "command": portable_path("hf-retrace train " + " ".join(shlex.quote(a) for a in getattr(args, "_argv", []))),
             "tau": final_eval.get("tau"),
             "eval_prompts": final_eval.get("eval_prompts"),
             "eval_max_new_tokens": args.eval_max_new_tokens,
