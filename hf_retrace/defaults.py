@@ -36,7 +36,6 @@ __all__ = [
     "cache_root",
     "ensure_default_target",
     "describe_default_target_source",
-    "load_default_target",
     "default_drafter_path",
 ]
 
@@ -316,22 +315,6 @@ def describe_default_target_source(cache_dir: str | os.PathLike | None = None) -
         f"default target: {DEFAULT_TARGET_HUB_ID} from the Hugging Face Hub (needs a network or the HF cache; "
         f"for offline use: {_INSTALL_HINT})"
     )
-
-
-def load_default_target(
-    dtype: torch.dtype = torch.bfloat16,
-    device: str | torch.device = "cpu",
-    cache_dir: str | os.PathLike | None = None,
-    progress: bool = True,
-):
-    """Load the default target; returns ``(model, tokenizer)`` with the model in eval mode."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = ensure_default_target(cache_dir=cache_dir, progress=progress)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return model, tokenizer
 
 
 def default_drafter_path() -> Path:

@@ -196,8 +196,8 @@ def test_real_model_loads_offline_and_generates():
         import sys, torch
         torch.set_num_threads(2)
         from transformers import AutoModelForCausalLM, AutoTokenizer
-        from hf_retrace.defaults import load_default_target
-        model, tok = load_default_target(progress=False)
+        from hf_retrace.loading import load_target
+        model, tok = load_target("default")
         assert not model.training and model.dtype == torch.bfloat16
         # the folder itself also loads with plain transformers
         AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True)

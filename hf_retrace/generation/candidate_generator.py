@@ -245,6 +245,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
             keep = total
         self.stats.slot_confidences.append(tops[:keep])
         return torch.cat(chunks, dim=1)[:, :keep]
+
     def _read_rejected_rows(self, window: torch.Tensor, anchor_position: int):
         """Complete the kept suffix with the target's tapped states at its rows; align it with the new block."""
         suffix = self.rejected_suffix

@@ -63,6 +63,11 @@ class PerTokenStopping(StoppingCriteriaList):
         self.stop_at: int | None = None  # the sequence length at which plain decoding stops
         self.streamer: StopAwareStreamer | None = None
         self._per_token = [c for c in criteria if not isinstance(c, MaxTimeCriteria)]
+        self._timed = [c for c in criteria if isinstance(c, MaxTimeCriteria)]
+
+    @staticmethod
+    def _met(criteria: list, input_ids: torch.LongTensor, scores: Any, kwargs: dict) -> bool:
+        return any(bool(c(input_ids, scores, **kwargs).any()) for c in criteria)
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         length = input_ids.shape[1]
@@ -71,21 +76,15 @@ class PerTokenStopping(StoppingCriteriaList):
             return super().__call__(input_ids, scores, **kwargs)  # nothing committed to check: as the loop had it
         start = self.checked
         if self.stop_at is None:
-            for end in range(self.checked + 1, length):  # the round's tokens before its last one
-                if any(bool(c(input_ids[:, :end], scores, **kwargs).any()) for c in self._per_token):
+            for end in range(start + 1, length + 1):  # every token the round committed, each criterion once
+                if self._met(self._per_token, input_ids[:, :end], scores, kwargs):
                     self.stop_at = end
                     break
         self.checked = length
-        done = super().__call__(input_ids, scores, **kwargs)
-        if self.stop_at is None and bool(done.any()) and any(
-            bool(c(input_ids, scores, **kwargs).any()) for c in self._per_token
-        ):
-            self.stop_at = length
         if self.streamer is not None:
             self.streamer.release(None if self.stop_at is None else self.stop_at - start)
-        if self.stop_at is not None:
-            done = torch.ones_like(done)
-        return done
+        done = self.stop_at is not None or self._met(self._timed, input_ids, scores, kwargs)
+        return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
 
 def trim_output(output: Any, stop_at: int | None, prompt_length: int) -> Any:

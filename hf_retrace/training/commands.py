@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..loading import SHORT_DTYPES, dtype_arg, load_target, portable_path, resolve_target, torch_dtype
+from ..loading import SHORT_DTYPES, dtype_arg, load_drafter, load_target, portable_path, resolve_target, torch_dtype
 from .features import DEFAULT_MAX_BATCH_TOKENS
 from .objective import DEFAULT_GAMMA
 
@@ -608,7 +608,6 @@ def _calibration_prompts(args: argparse.Namespace, tokenizer: Any, sequences: tu
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import torch
 
-    from ..modeling import ReTraceDrafter
     from .calibrate import calibrate_confidence_threshold
 
     sequences = _check_calibration_args(args)
@@ -616,7 +615,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     target, tokenizer = load_target(args.target, args.dtype, frozen=True)
     prompts = _calibration_prompts(args, tokenizer, sequences)
-    drafter = ReTraceDrafter.from_pretrained(args.drafter, dtype=torch_dtype(args.dtype)).eval()
+    drafter = load_drafter(args.drafter, args.dtype)
     result = calibrate_confidence_threshold(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
     print(f"[hf-retrace] c = {result['draft_cost_c']:.3f}; verify cost of k drafts (x one step): "
           + ", ".join(f"{k}:{v:.2f}" for k, v in enumerate(result["verify_costs"])))

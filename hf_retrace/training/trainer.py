@@ -628,9 +628,7 @@ class Trainer:
         if self.accelerator.is_main_process:
             drafter = self.unwrapped_drafter()
             original = next(drafter.parameters()).dtype
-            drafter.to(torch_dtype(dtype))
-            drafter.config.dtype = str(torch_dtype(dtype)).removeprefix("torch.")
-            drafter.save_pretrained(out, safe_serialization=True)
+            _save_as(drafter, out, dtype)
             drafter.to(original)
         self.accelerator.wait_for_everyone()
         return out
@@ -657,10 +655,15 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
         config.retrace = True
     drafter = ReTraceDrafter(config)
     drafter.load_state_dict(state, strict=True)
-    drafter.to(torch_dtype(dtype))
-    drafter.config.dtype = dtype
-    drafter.save_pretrained(out_dir, safe_serialization=True)
+    _save_as(drafter, out_dir, dtype)
     return Path(out_dir)
+
+
+def _save_as(drafter: nn.Module, out_dir: str | os.PathLike[str], dtype: str) -> None:
+    """``save_pretrained`` (safetensors) with the weights and ``config.dtype`` in ``dtype`` (either spelling)."""
+    drafter.to(torch_dtype(dtype))
+    drafter.config.dtype = str(torch_dtype(dtype)).removeprefix("torch.")
+    drafter.save_pretrained(out_dir, safe_serialization=True)
 
 
 def write_model_card(out_dir: str | os.PathLike[str], info: dict[str, Any]) -> Path:
