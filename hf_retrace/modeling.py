@@ -263,17 +263,21 @@ class ReTraceDrafter(PreTrainedModel):
         anchor_ids: torch.Tensor,
         input_embeddings: nn.Module,
         aligned_suffix: AlignedSuffix | None = None,
+        ablation: str = "full",
     ) -> torch.Tensor:
         """Embeddings of ``[anchor, MASK x (B-1)]`` per row of ``anchor_ids`` (shape ``[b]``), ReTrace-fused if given.
 
-        ``input_embeddings`` is the target's embedding table; slot 0 always stays the real anchor token.
+        ``input_embeddings`` is the target's embedding table; slot 0 always stays the real anchor token. Whether to
+        fuse is the caller's per-call choice: it passes ``aligned_suffix`` (and ``ablation``) only when ReTrace is on.
         """
         block_size = self.config.block_size
         anchor = input_embeddings(anchor_ids[:, None]).to(self.dtype)  # [b, 1, H]
         mask = self.mask_vector(input_embeddings).to(anchor.device)
         masks = mask.expand(anchor.shape[0], block_size - 1, -1)
-        if aligned_suffix is not None and self.retrace is not None and self.config.retrace_enabled:
-            masks = self.retrace(masks, aligned_suffix, input_embeddings)
+        if aligned_suffix is not None:
+            if self.retrace is None:
+                raise ValueError("this drafter has no ReTrace module: call block_embeddings without aligned_suffix.")
+            masks = self.retrace(masks, aligned_suffix, input_embeddings, ablation)
         embeds = torch.cat([anchor, masks], dim=1)
         return embeds * self.config.input_embedding_scale if self.config.input_embedding_scale != 1.0 else embeds
 

@@ -12,24 +12,54 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from .configuration import ReTraceConfig
+from .configuration import RETRACE_ABLATIONS, ReTraceConfig
 
 
-@dataclass
+@dataclass(frozen=True)
+class PendingSuffix:
+    """The rejected suffix of one round as its verification leaves it: everything but the target's tapped states.
+
+    The target computed those states in the same verification forward, but they reach the drafter only with the next
+    call's window; :meth:`complete` then makes the immutable :class:`RejectedSuffix`. Nothing is ever half-filled.
+    """
+
+    anchor_position: int  # s: the anchor of the round that drafted the suffix
+    positions: torch.Tensor  # [1, m] absolute positions s+j of the kept slots j = n+2 .. k
+    drafter_hidden: torch.Tensor  # [1, m, H]
+    rejected_tokens: torch.Tensor  # [1, m]
+    target_tokens: torch.Tensor  # [1, m]
+    target_probs: torch.Tensor  # [1, m]
+
+    def __len__(self) -> int:
+        return self.positions.shape[-1]
+
+    @property
+    def window_rows(self) -> torch.Tensor:
+        """Rows of the verification window (which starts at the anchor) that hold the target's view of each slot."""
+        return self.positions[0] - self.anchor_position
+
+    def complete(self, target_features: torch.Tensor) -> "RejectedSuffix":
+        """The immutable suffix, given the target's (projected) states at :attr:`window_rows`, ``[1, m, H]``."""
+        verdict = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "anchor_position"}
+        return RejectedSuffix(**verdict, target_features=target_features)
+
+
+@dataclass(frozen=True)
 class RejectedSuffix:
     """The rejected suffix of one round, in its own coordinates (``[b, m]`` rows; ``b = 1`` inside ``generate``).
 
     Every field comes from passes that already ran: the drafter's block forward and the target's verification.
     Rows after the first rejection were computed by the target on a prefix holding a wrong token: they are signals,
-    never truths, and nothing here is ever committed.
+    never truths, and nothing here is ever committed. A position below 0 marks a row that holds no kept slot
+    (batched training keeps fixed shapes); :meth:`align` leaves it out.
     """
 
-    positions: torch.Tensor  # [b, m] absolute positions s+j of the kept slots
+    positions: torch.Tensor  # [b, m] absolute positions s+j of the kept slots (-1: none)
     drafter_hidden: torch.Tensor  # [b, m, H] the drafter's normed last hidden state at those slots
     rejected_tokens: torch.Tensor  # [b, m] d[j]
     target_tokens: torch.Tensor  # [b, m] t[j]: the target's own choice for position s+j
     target_probs: torch.Tensor  # [b, m] p[j]: the target's probability of t[j]
-    target_features: torch.Tensor | None  # [b, m, H] f[j]: tapped target states at row j via the drafter's fc/hidden_norm
+    target_features: torch.Tensor  # [b, m, H] f[j]: tapped target states at row j via the drafter's fc/hidden_norm
 
     @property
     def agree(self) -> torch.Tensor:
@@ -45,7 +75,7 @@ class RejectedSuffix:
         device = self.rejected_tokens.device
         anchor = torch.as_tensor(anchor_position, device=device).reshape(-1, 1)
         slot = self.positions - anchor  # new slot index of each kept row
-        valid_row = (slot >= 1) & (slot <= block_size - 1)
+        valid_row = (slot >= 1) & (slot <= block_size - 1) & (self.positions >= 0)
         rows = torch.arange(b, device=device)[:, None].expand(b, m)
         slot = slot.clamp(1, block_size - 1) - 1  # index among the B-1 masked slots
 
@@ -66,7 +96,7 @@ class RejectedSuffix:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class AlignedSuffix:
     """A rejected suffix laid onto the ``B-1`` masked slots of a block (``[N, B-1, ...]``); ``valid`` marks kept slots."""
 
@@ -86,15 +116,14 @@ class ReTraceFusion(nn.Module):
 
     ``r[i] = Refine(norm(h[j]), E[d[j]], E[t[j]], f[j], p[j], agree[j]) + E[d[j]]`` (a 2-layer MLP with a skip of the
     rejected draft token, ours: it makes ``r`` informative from the first step, so the zero-initialised ``W_o`` learns
-    fast; on SmolLM2 a kept rejected token matched the final token 23 % of the time at the first aligned slot against
-    8 % for the target's own token after the wrong prefix, hence the skip of ``d`` rather than ``t``) and ``e[i] = E[MASK] + g[i] * W_o r[i]`` with ``g[i] = sigmoid(W_g [E[MASK]; r[i]] + b_g)``. ``W_o`` starts
-    at zero, so an untrained module drafts exactly what its DFlash backbone drafts.
+    fast; why ``d`` and not ``t``: docs/retrace/kept-suffix-premise.md) and ``e[i] = E[MASK] + g[i] * W_o r[i]`` with
+    ``g[i] = sigmoid(W_g [E[MASK]; r[i]] + b_g)``. ``W_o`` starts at zero, so an untrained module drafts exactly what
+    its DFlash backbone drafts.
     """
 
     def __init__(self, config: ReTraceConfig):
         super().__init__()
         hidden = config.hidden_size
-        self.config = config
         self.refine = nn.Sequential(
             nn.Linear(4 * hidden + 2, config.retrace_hidden_size),
             nn.SiLU(),
@@ -106,14 +135,22 @@ class ReTraceFusion(nn.Module):
         nn.init.zeros_(self.output_projection.weight)
 
     def forward(
-        self, mask_embeds: torch.Tensor, suffix: RejectedSuffix | AlignedSuffix, input_embeddings: nn.Module
+        self,
+        mask_embeds: torch.Tensor,
+        suffix: RejectedSuffix | AlignedSuffix,
+        input_embeddings: nn.Module,
+        ablation: str = "full",
     ) -> torch.Tensor:
-        """Fuse ``suffix`` into ``mask_embeds`` (``[N, B-1, H]``); rows without a kept slot are returned unchanged."""
+        """Fuse ``suffix`` into ``mask_embeds`` (``[N, B-1, H]``); rows without a kept slot are returned unchanged.
+
+        ``ablation`` (one of ``RETRACE_ABLATIONS``) is the caller's choice for this forward, never read from a config.
+        """
         if isinstance(suffix, RejectedSuffix):
             raise TypeError("align the RejectedSuffix with the next block first: `suffix.align(anchor_position, B)`")
+        if ablation not in RETRACE_ABLATIONS:
+            raise ValueError(f"ablation must be one of {RETRACE_ABLATIONS}, got {ablation!r}.")
         aligned = suffix.to(mask_embeds.device)
         dtype = mask_embeds.dtype
-        ablation = self.config.retrace_ablation
         h = aligned.drafter_hidden.to(dtype)
         e_draft = input_embeddings(aligned.rejected_tokens).to(dtype)
         e_target = input_embeddings(aligned.target_tokens).to(dtype)

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .sampling import sampling_kwargs
+
 
 @dataclass
 class Run:
@@ -88,11 +90,7 @@ def compare(
 ) -> SideBySide:
     """Run plain decoding and drafted decoding on ``prompt`` (same seed) and return both."""
     input_ids = chat_input_ids(tokenizer, prompt)
-    sampling = dict(do_sample=temperature > 0, max_new_tokens=max_new_tokens)
-    if temperature > 0:
-        sampling["temperature"] = temperature
-    else:
-        sampling.update(temperature=None, top_p=None, top_k=None)
+    sampling = sampling_kwargs(temperature, max_new_tokens)
     if warmup:  # the first forwards in a process are slow (kernel set-up): keep them out of the timings
         timed_generate(target, tokenizer, input_ids, max_new_tokens=4, do_sample=False)
         timed_generate(target, tokenizer, input_ids, max_new_tokens=4, do_sample=False, assistant_model=drafter)

@@ -1,4 +1,4 @@
-"""Tiny random targets and drafters built in the test, and controlled proposal policies."""
+"""Fixtures shared by the tests (the helpers they import are in ``helpers.py``)."""
 
 from __future__ import annotations
 
@@ -9,159 +9,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from helpers import ProposalPolicy
 
-import hf_retrace
-from hf_retrace import ReTraceConfig, ReTraceDrafter
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 
 # tiny models: one intra-op thread is fastest, and stays fast when another job holds the second core
 torch.set_num_threads(1)
-
-
-def tiny_target(
-    family: str = "qwen3",
-    vocab_size: int = 96,
-    num_layers: int = 4,
-    hidden_size: int = 64,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float64,
-    logit_scale: float = 1.0,
-):
-    """A random tiny decoder LM; ``logit_scale`` sharpens its distribution (fewer near-uniform choices)."""
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=hidden_size // 4,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=None,
-    )
-    torch.manual_seed(seed)
-    config = Qwen3Config(**common) if family == "qwen3" else LlamaConfig(**common)
-    model = (Qwen3ForCausalLM if family == "qwen3" else LlamaForCausalLM)(config)
-    if logit_scale != 1.0:
-        with torch.no_grad():
-            model.lm_head.weight.mul_(logit_scale)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = None
-    return model.eval().to(dtype)
-
-
-SPECIALS = ["[UNK]", "<|user|>", "<|assistant|>", "<|end|>"]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} <|end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
-
-
-def word_level_tokenizer(vocab_size: int = 96) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer with exactly ``vocab_size`` ids (a tiny target's; every id decodes) and a chat
-    template, so the CLI's tokenize/generate paths run on tiny saved targets."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = SPECIALS + "the a of to and is in it you that he was for on are with as I his they be at one have " \
-        "this from or had by hot word but what some we can out other were all there when up use your how said an " \
-        "each she which do their time if will way about many then them write would like so these her long make " \
-        "thing see him two has look more day could go come did number sound no most people my".split()
-    words += [f"w{i}" for i in range(vocab_size - len(words))]
-    assert len(words) == vocab_size
-    model = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-    model.pre_tokenizer = pre_tokenizers.Whitespace()
-    model.add_special_tokens(SPECIALS)
-    return PreTrainedTokenizerFast(tokenizer_object=model, unk_token="[UNK]", chat_template=CHAT_TEMPLATE)
-
-
-def byte_level_tokenizer() -> PreTrainedTokenizerFast:
-    """A GPT-2-style byte-level tokenizer of exactly 96 ids (the printable bytes 32..127, no merges): what
-    ``StopStringCriteria`` needs (its token strings), on a tiny target of ``vocab_size=96``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    chars = ["Ġ"] + [chr(b) for b in range(33, 128)]  # "Ġ" is the byte-level symbol of the space
-    model = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(chars)}, merges=[]))
-    model.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    model.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=model)
-
-
-def tiny_drafter(
-    target,
-    block_size: int = 6,
-    target_layer_ids: list[int] | None = None,
-    num_layers: int = 1,
-    seed: int = 1,
-    retrace: str | None = None,
-    learned_mask_embedding: bool = False,
-    dtype: torch.dtype | None = None,
-    draft_vocab_size: int | None = None,
-) -> ReTraceDrafter:
-    """A random drafter for ``target``.
-
-    ``retrace``: None (plain DFlash), "untrained" (ReTrace on, zero output projection), "random" (ReTrace on with a
-    non-zero output projection, so the fused suffix really changes the drafts).
-    """
-    tcfg = target.config
-    num_target_layers = tcfg.num_hidden_layers
-    config = ReTraceConfig(
-        vocab_size=tcfg.vocab_size,
-        hidden_size=tcfg.hidden_size,
-        intermediate_size=tcfg.intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=tcfg.num_attention_heads,
-        num_key_value_heads=tcfg.num_key_value_heads,
-        head_dim=tcfg.head_dim,
-        block_size=block_size,
-        mask_token_id=None if learned_mask_embedding else tcfg.vocab_size - 1,
-        learned_mask_embedding=learned_mask_embedding,
-        target_layer_ids=target_layer_ids or [0, num_target_layers - 2],
-        num_target_layers=num_target_layers,
-        retrace=retrace is not None,
-        retrace_trained=retrace == "random",
-        use_retrace=True if retrace is not None else None,
-    )
-    torch.manual_seed(seed)
-    drafter = ReTraceDrafter(config).eval()
-    if retrace == "random":
-        with torch.no_grad():
-            drafter.retrace.output_projection.weight.normal_(0, 0.5)
-    if draft_vocab_size:
-        drafter.set_draft_vocab(torch.randperm(tcfg.vocab_size)[:draft_vocab_size])
-    return drafter.to(dtype or target.dtype)
-
-
-class ProposalPolicy:
-    """Replaces the drafter's proposals with tokens of a known continuation, corrupted on purpose.
-
-    ``mode``: "all" (every draft right), "none" (every draft wrong), "partial" (right up to a random slot).
-    Used to build drafters that accept everything, nothing, or part of each block.
-    """
-
-    def __init__(self, reference: torch.Tensor, mode: str, vocab_size: int, seed: int = 0):
-        self.reference, self.mode, self.vocab_size = reference[0], mode, vocab_size
-        self.generator = torch.Generator().manual_seed(seed)
-
-    def __call__(self, input_ids: torch.Tensor, num_drafts: int) -> torch.Tensor:
-        start = input_ids.shape[1]
-        right = self.reference[start : start + num_drafts]
-        filler = torch.randint(0, self.vocab_size, (num_drafts,), generator=self.generator)
-        tokens = torch.cat([right, filler[len(right) :]])
-        wrong = (tokens + 1 + torch.randint(0, self.vocab_size - 1, (num_drafts,), generator=self.generator)) % (
-            self.vocab_size
-        )
-        if self.mode == "none":
-            tokens = wrong
-        elif self.mode == "partial":
-            cut = int(torch.randint(0, num_drafts + 1, (1,), generator=self.generator))
-            tokens = torch.cat([tokens[:cut], wrong[cut:]])
-        return tokens[None]
 
 
 @pytest.fixture
@@ -173,7 +26,11 @@ def use_policy(monkeypatch):
 
         def propose(self, input_ids, logits):
             tokens, processed = original(self, input_ids, logits)
-            return policy(input_ids, tokens.shape[1]).to(tokens.device), processed
+            tokens = policy(input_ids, tokens.shape[1]).to(tokens.device)
+            if self.sampled_proposals:  # the returned proposal law must be the one the drafts came from: certain
+                processed = torch.full_like(processed, float("-inf"))
+                processed[0, torch.arange(tokens.shape[1]), tokens[0]] = 0.0
+            return tokens, processed
 
         monkeypatch.setattr(ReTraceCandidateGenerator, "_propose", propose)
 
@@ -193,6 +50,3 @@ def count_forwards():
     yield attach
     for handle in handles:
         handle.remove()
-
-
-__all__ = ["ProposalPolicy", "hf_retrace", "tiny_drafter", "tiny_target"]

@@ -3,6 +3,7 @@ input errors before any model load, Markdown/PNG output, and the CLI end to end.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -11,13 +12,16 @@ import types
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target, word_level_tokenizer
+from helpers import tiny_drafter, tiny_target, word_level_tokenizer
 
 from hf_retrace import cli
-from hf_retrace.bench import runner
+from hf_retrace.bench import loop, runner
+from hf_retrace.bench.divergence import find_divergence
+from hf_retrace.bench.methods import ALL_METHODS
 from hf_retrace.bench.native import build_native_assistant, convert_state_dict
+from hf_retrace.bench.plan import BenchSpec, plan_benchmark
+from hf_retrace.bench.records import BenchRow
 from hf_retrace.bench.report import markdown_report, write_markdown, write_plots
-from hf_retrace.bench.runner import ALL_METHODS, BenchInputError, BenchSpec, find_divergence, plan_benchmark
 
 VOCAB = 96
 ROW_FIELDS = (
@@ -85,6 +89,13 @@ def test_json_has_every_field_for_every_dataset_and_method(report):
     assert json.loads(json.dumps(report)) == report  # plain JSON, nothing left as a tensor or dataclass
 
 
+def test_rows_are_bench_row_records_written_as_the_json_rows(report):
+    for row in report["rows"]:
+        assert list(row) == [f.name for f in dataclasses.fields(BenchRow)]  # the JSON's key order is the record's
+        assert BenchRow.from_dict(row).to_dict() == row
+        assert report["results"][row["dataset"]][row["method"]][f"T={row['temperature']:g}"] == row
+
+
 def test_fp32_greedy_outputs_equal_plain_for_every_method(report):
     greedy = [r for r in report["rows"] if r["temperature"] == 0 and r["method"] != "plain"]
     assert {r["method"] for r in greedy} == set(ALL_METHODS) - {"plain"}
@@ -116,7 +127,7 @@ def test_native_dflash_rounds_are_recorded_like_ours(report):
 
 
 def test_mismatch_detector_reports_position_and_gap(assets, monkeypatch):
-    real_generate = runner.timed_generate
+    real_generate = loop.timed_generate
 
     def corrupt_dflash(target, tokenizer, input_ids, **kwargs):
         run = real_generate(target, tokenizer, input_ids, **kwargs)
@@ -125,7 +136,7 @@ def test_mismatch_detector_reports_position_and_gap(assets, monkeypatch):
             run.token_ids[3] = (run.token_ids[3] + 1) % VOCAB  # a wrong token at new-token position 3
         return run
 
-    monkeypatch.setattr(runner, "timed_generate", corrupt_dflash)
+    monkeypatch.setattr(loop, "timed_generate", corrupt_dflash)
     spec = BenchSpec(datasets=["gsm8k"], methods=["plain", "dflash", "retrace"], max_new_tokens=8, limit=2,
                      target=assets["target"], drafters={"default": assets["drafter"]}, dtype="fp32",
                      warmup=False, progress=False)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import ast
 import json
+import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -12,8 +15,25 @@ import pytest
 from hf_retrace.bench import datasets as ds
 from hf_retrace.bench.datasets import DATASETS, BenchPrompt, load_prompts, validate_dataset_arg
 
-SHARED_DEV = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "dev"
+DEV_DATA_ENV_VAR = "HF_RETRACE_DEV_DATA"
+# the development prompt sets the shipped subsets were cut from: a location only the environment gives
+DEV_DATA = Path(os.environ[DEV_DATA_ENV_VAR]) if os.environ.get(DEV_DATA_ENV_VAR) else None
 SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def _dev_file(name: str) -> Path:
+    """The development set ``name`` (gsm8k.jsonl, ...): skipped where it is absent, unless the variable names it."""
+    if DEV_DATA is None:
+        pytest.skip(f"no development prompt sets: set ${DEV_DATA_ENV_VAR} to the folder holding "
+                    f"{', '.join(f'{n}.jsonl' for n in DATASETS)}")
+    path = DEV_DATA / f"{name}.jsonl"
+    if not path.is_file():
+        pytest.fail(f"${DEV_DATA_ENV_VAR} is {DEV_DATA}, which has no {name}.jsonl")
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _write(path: Path, lines) -> Path:
@@ -50,13 +70,23 @@ def test_licenses_file_names_every_set():
 
 
 @pytest.mark.parametrize("name", DATASETS)
-def test_shipped_records_match_shared_dev(name):
-    dev = SHARED_DEV / f"{name}.jsonl"
-    if not dev.is_file():
-        pytest.skip("shared dev data not present")
-    dev_ids = {json.loads(line)["id"] for line in dev.read_text().splitlines() if line.strip()}
-    shipped = [json.loads(line) for line in (ds.DATA_DIR / f"{name}.jsonl").read_text().splitlines()]
-    assert {r["id"] for r in shipped} <= dev_ids
+def test_shipped_records_are_what_the_licences_file_says(name):
+    """Record count and fields of each shipped file, as LICENSES.md's table states them (no external data needed)."""
+    table_row = next(line for line in (ds.DATA_DIR / "LICENSES.md").read_text().splitlines()
+                     if line.startswith(f"| `{name}.jsonl` |"))
+    count, fields = [cell.strip() for cell in table_row.split("|")[2:4]]
+    records = _records(ds.DATA_DIR / f"{name}.jsonl")
+    assert len(records) == int(count)
+    assert all(list(record) == re.split(r",\s*", fields) for record in records)
+    assert len({r["id"] for r in records}) == len(records)
+    assert all(value not in ("", [], None) for record in records for value in record.values())
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_shipped_records_are_verbatim_dev_records(name):
+    dev = {r["id"]: r for r in _records(_dev_file(name))}
+    for record in _records(ds.DATA_DIR / f"{name}.jsonl"):
+        assert dev.get(record["id"]) == record, f"{name} {record['id']} differs from the development set's record"
 
 
 def test_mtbench_covers_all_categories():
@@ -117,14 +147,17 @@ def test_known_stem_path_gets_known_format(tmp_path):
     assert load_prompts(path2)[0].turns == ["hello"]
 
 
-def test_shared_dev_path_matches_shipped_name():
-    dev = SHARED_DEV / "humaneval.jsonl"
-    if not dev.is_file():
-        pytest.skip("shared dev data not present")
-    shipped = load_prompts("humaneval")
-    from_path = load_prompts(str(dev))
-    by_id = {p.id: p.turns for p in from_path}
-    assert all(by_id[p.id] == p.turns for p in shipped)
+@pytest.mark.parametrize("name", DATASETS)
+def test_a_copy_of_a_shipped_file_loads_by_path_as_the_shipped_set(name, tmp_path):
+    copy = shutil.copy(ds.DATA_DIR / f"{name}.jsonl", tmp_path / f"{name}.jsonl")
+    assert load_prompts(str(copy)) == load_prompts(name)
+
+
+@pytest.mark.parametrize("name", DATASETS)
+def test_a_dev_file_loads_by_path_in_its_set_format(name):
+    from_path = {p.id: p for p in load_prompts(str(_dev_file(name)))}
+    for shipped in load_prompts(name):
+        assert from_path[shipped.id] == shipped
 
 
 def test_generic_field_priority(tmp_path):
@@ -259,11 +292,16 @@ def test_module_is_pure():
     # datasets.py must not pull in torch / transformers
     import subprocess
 
-    # (loaded from its file, so that whatever hf_retrace/__init__.py imports does not count)
+    # loaded with bare package modules in place of hf_retrace/__init__.py and bench/__init__.py, so that what they
+    # import does not count while datasets.py's own imports (hf_retrace.jsonl) still resolve from the package folder
     code = (
-        "import sys, importlib.util as u; s = u.spec_from_file_location('d', sys.argv[1]); "
-        "m = u.module_from_spec(s); sys.modules['d'] = m; s.loader.exec_module(m); assert m.load_prompts('gsm8k', 1); "
+        "import sys, types, importlib.util as u; from pathlib import Path; bench = Path(sys.argv[1]).parent\n"
+        "for name, folder in (('hf_retrace', bench.parent), ('hf_retrace.bench', bench)):\n"
+        "    package = types.ModuleType(name); package.__path__ = [str(folder)]; sys.modules[name] = package\n"
+        "s = u.spec_from_file_location('hf_retrace.bench.datasets', sys.argv[1]); m = u.module_from_spec(s)\n"
+        "sys.modules['hf_retrace.bench.datasets'] = m; s.loader.exec_module(m); assert m.load_prompts('gsm8k', 1)\n"
         "print('torch' in sys.modules, 'transformers' in sys.modules)"
     )
-    out = subprocess.run([sys.executable, "-c", code, ds.__file__], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code, ds.__file__], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 from safetensors.torch import save_file
 from transformers import AutoModel, DynamicCache
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 from hf_retrace.generation import target_features
 
@@ -64,5 +64,6 @@ def test_threads_sharing_one_target_match_their_sequential_runs(path, monkeypatc
         thread.join()
     assert not errors, errors[:3]
     assert not mismatches, f"{len(mismatches)} of {THREADS * CALLS} concurrent calls differ: {mismatches[:5]}"
-    layers = target_features.decoder_layers(target)
-    assert all(len(layer._forward_hooks) == 0 for layer in layers)
+    layers = target_features.decoder_layers(target)  # (transformers 5.x keeps its own output-capturing hooks)
+    ours = [hook for layer in layers for hook in layer._forward_hooks.values() if "TargetTap" in hook.__qualname__]
+    assert not ours, "the generators' hooks outlived their calls"

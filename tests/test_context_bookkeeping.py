@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import ProposalPolicy, tiny_drafter, tiny_target
 
 from hf_retrace.generation import target_features
 

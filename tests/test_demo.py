@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import ProposalPolicy, tiny_drafter, tiny_target
 
 from hf_retrace.demo.app import (
     DemoEngine,
@@ -108,6 +108,12 @@ class CountingEngine(DemoEngine):
                 self._active -= 1
 
 
+def load_engine(paths: dict[str, Path], **kwargs) -> CountingEngine:
+    """The tiny pair loaded through the demo's own path (``DemoEngine.from_pretrained``); skips without gradio."""
+    pytest.importorskip("gradio", reason="the demo extra is not installed: pip install 'hf-retrace[demo]'")
+    return CountingEngine.from_pretrained(str(paths["target"]), str(paths["drafter"]), dtype="fp32", **kwargs)
+
+
 # ---------------------------------------------------------------------------------------------------------- fixtures
 
 
@@ -118,8 +124,7 @@ def paths(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(paths):
-    pytest.importorskip("gradio", reason="the demo extra is not installed: pip install 'hf-retrace[demo]'")
-    return CountingEngine.from_pretrained(str(paths["target"]), str(paths["drafter"]), dtype="fp32")
+    return load_engine(paths)
 
 
 @pytest.fixture(scope="module")

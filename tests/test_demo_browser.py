@@ -54,13 +54,9 @@ def test_page_streams_both_answers_and_they_agree(tmp_path):
         from playwright.sync_api import sync_playwright
     except ImportError:  # pragma: no cover - CI installs it
         pytest.fail("the playwright package is missing: run .ci/browser_setup.sh (pip install playwright)")
-    pytest.importorskip("gradio", reason="the demo extra is not installed: pip install 'hf-retrace[demo]'")
-    from test_demo import build_tiny_pair, start_server
+    from test_demo import build_tiny_pair, load_engine, start_server
 
-    from hf_retrace.demo.app import DemoEngine
-
-    paths = build_tiny_pair(tmp_path / "models")
-    engine = DemoEngine.from_pretrained(str(paths["target"]), str(paths["drafter"]), dtype="fp32")
+    engine = load_engine(build_tiny_pair(tmp_path / "models"))
     blocks, url = start_server(engine)
     shots = Path(os.environ.get("HF_RETRACE_SCREENSHOT_DIR") or tmp_path)
     shots.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_target, word_level_tokenizer
+from helpers import tiny_target, word_level_tokenizer
 from safetensors.torch import load_file
 
 from hf_retrace.cli import main

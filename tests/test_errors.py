@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
-from transformers import DynamicCache
+from helpers import tiny_drafter, tiny_target
+from transformers import DynamicCache, GenerationConfig
 
 
 @pytest.fixture(scope="module")
@@ -101,13 +101,28 @@ def test_bad_proposal_mode(target):
         drafter.proposal_mode = "beam"
 
 
-@pytest.mark.parametrize("setting", [{"prompt_lookup_num_tokens": 10}, {"assistant_early_exit": 2}])
+_V5 = hasattr(GenerationConfig(), "use_mtp")  # settings transformers 4.57 does not have
+
+
+@pytest.mark.parametrize("setting", [{"prompt_lookup_num_tokens": 10}, {"assistant_early_exit": 2}]
+                         + ([{"use_mtp": True}] if _V5 else []))
 def test_drafter_with_another_speculation_setting(target, prompt, count_forwards, setting):
     """A drafter plus another speculation setting is refused (it used to be silently preferred)."""
     drafter = tiny_drafter(target)
     name = next(iter(setting))
     _refused(target, count_forwards, f"another speculation setting \\({name}=", input_ids=prompt,
              assistant_model=drafter, max_new_tokens=4, **setting)
+
+
+@pytest.mark.parametrize("setting, match", [
+    ({"use_cache": False}, "use_cache=False: .*verifies each drafted block against the target's KV cache"),
+    ({"dola_layers": "high"}, "dola_layers='high': .*silently ignored"),
+] + ([({"do_sample": True, "assistant_ensemble_weight": 0.5}, "assistant_ensemble_weight=0.5: .*lossless")] if _V5 else []))
+def test_settings_that_a_drafter_would_ignore_or_make_lossy(target, prompt, count_forwards, setting, match):
+    """Without the refusal, transformers fails late (use_cache), ignores the setting (DoLa), or departs from the
+    target's law (ensemble verification)."""
+    _refused(target, count_forwards, match, input_ids=prompt, assistant_model=tiny_drafter(target), max_new_tokens=4,
+             **setting)
 
 
 def test_uninstall_removes_only_our_own_layer(target, prompt):

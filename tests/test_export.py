@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 from transformers import DynamicCache
 
 from hf_retrace import ReTraceDrafter

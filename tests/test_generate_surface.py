@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import ProposalPolicy, tiny_drafter, tiny_target
 from transformers.generation.streamers import BaseStreamer
 
 from hf_retrace.generation import target_features
@@ -307,7 +307,7 @@ OPT_IN_SCRIPT = textwrap.dedent(
     torch.set_num_threads(1)
     import hf_retrace
     from transformers import GenerationMixin
-    from conftest import tiny_drafter, tiny_target
+    from helpers import tiny_drafter, tiny_target
 
     assert hf_retrace.GLOBAL_DISPATCH is False
     assert not hasattr(GenerationMixin._get_candidate_generator, "_hf_retrace_wrapped"), "patched globally"

@@ -10,8 +10,9 @@ import hf_retrace
 
 PACKAGE = Path(hf_retrace.__file__).parent
 # lowest first; the README's line: cli -> training, bench, demo -> export, loading -> generation -> modeling -> retrace
-# -> configuration, stats, defaults, side_by_side
+# -> configuration, stats, defaults, side_by_side -> jsonl, sampling
 LAYERS = [
+    {"jsonl", "sampling"},
     {"configuration", "stats", "defaults", "side_by_side"},
     {"retrace"},
     {"modeling"},

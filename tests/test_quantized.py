@@ -19,7 +19,7 @@ import logging
 
 import pytest
 import torch
-from conftest import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import ProposalPolicy, tiny_drafter, tiny_target
 
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 

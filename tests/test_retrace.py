@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import ProposalPolicy, tiny_drafter, tiny_target
 
 from hf_retrace import RejectedSuffix
+from hf_retrace.retrace import PendingSuffix
+from hf_retrace.training.retrace_stage import ReTraceObjective
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 
 
@@ -142,9 +144,9 @@ def test_ablations_change_the_fusion_as_documented():
     masks = drafter.mask_vector(embed).expand(1, 3, -1)
     outputs = {}
     for ablation in ("full", "no_correction", "no_gate", "tokens_only"):
-        drafter.config.retrace_ablation = ablation
+        drafter.config.retrace_ablation = "no_gate"  # the module never reads the shared config: the call decides
         with torch.no_grad():
-            outputs[ablation] = drafter.retrace(masks, suffix, embed)
+            outputs[ablation] = drafter.retrace(masks, suffix, embed, ablation)
     for ablation in ("no_correction", "no_gate", "tokens_only"):
         assert not torch.allclose(outputs[ablation][0, :2], outputs["full"][0, :2]), ablation
     for out in outputs.values():  # the unaligned slot stays the plain MASK embedding
@@ -160,3 +162,90 @@ def test_plain_dflash_drafter_can_gain_a_retrace_module():
     assert not drafter.config.retrace_enabled, "untrained: off by default"
     drafter.config.use_retrace = True
     assert drafter.config.retrace_enabled
+
+
+def test_training_aligns_exactly_as_generate_does():
+    """The ReTrace stage's batched alignment and the per-round one inside ``generate`` are one rule: for every block
+    and every accepted count (all accepted included), the training row equals the suffix a round would keep."""
+    block, hidden = 6, 3
+    gen = torch.Generator().manual_seed(0)
+    accepted = torch.tensor([[0, 1, 2], [3, 4, 5]])  # n = 0 .. B-1
+    anchors = torch.tensor([[2, 9, 20], [4, 11, 30]])
+    first = {
+        "accepted": accepted,
+        "anchors": anchors,
+        "drafter_hidden": torch.randn(2, 3, block - 1, hidden, generator=gen),
+        "drafts": torch.randint(0, 50, (2, 3, block - 1), generator=gen),
+        "target_tokens": torch.randint(0, 50, (2, 3, block - 1), generator=gen),
+        "target_probs": torch.rand(2, 3, block - 1, generator=gen),
+        "target_features": torch.randn(2, 3, block - 1, hidden, generator=gen),
+    }
+    next_anchors, batched = ReTraceObjective.align_next_block(first, block)
+    for row, (i, j) in enumerate((i, j) for i in range(2) for j in range(3)):
+        n, s = int(accepted[i, j]), int(anchors[i, j])
+        assert int(next_anchors[i, j]) == s + n + 1
+        slots = torch.arange(n + 2, max(block, n + 2))  # what a round keeps: j = n+2 .. k (k = B-1 drafted)
+        pick = slots - 1
+        one = RejectedSuffix(
+            positions=(s + slots)[None],
+            drafter_hidden=first["drafter_hidden"][i, j, pick][None],
+            rejected_tokens=first["drafts"][i, j, pick][None],
+            target_tokens=first["target_tokens"][i, j, pick][None],
+            target_probs=first["target_probs"][i, j, pick][None],
+            target_features=first["target_features"][i, j, pick][None],
+        ).align(s + n + 1, block)
+        assert int(batched.valid[row].sum()) == max(block - 1 - (n + 1), 0)
+        for name in ("valid", "drafter_hidden", "rejected_tokens", "target_tokens", "target_probs", "target_features"):
+            assert torch.equal(getattr(batched, name)[row], getattr(one, name)[0]), (row, name)
+
+
+def test_a_pending_suffix_becomes_a_complete_immutable_one():
+    """The verdict of a round waits for the target's rows as a PendingSuffix; completing it gives a frozen suffix."""
+    import dataclasses
+
+    pending = PendingSuffix(
+        anchor_position=10,
+        positions=torch.tensor([[13, 15]]),
+        drafter_hidden=torch.zeros(1, 2, 4),
+        rejected_tokens=torch.tensor([[5, 6]]),
+        target_tokens=torch.tensor([[5, 7]]),
+        target_probs=torch.tensor([[0.5, 0.5]]),
+    )
+    assert pending.window_rows.tolist() == [3, 5]
+    window = torch.arange(8 * 4, dtype=torch.float32).view(1, 8, 4)
+    suffix = pending.complete(window[:, pending.window_rows])
+    assert torch.equal(suffix.target_features[0], window[0, [3, 5]])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        suffix.target_features = None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pending.positions = None
+
+
+def test_settings_changed_mid_call_do_not_reach_the_call_in_flight(monkeypatch):
+    """A generate call reads its run-time choices once: another caller flipping the shared config between two of its
+    rounds (ReTrace off, another ablation, a confidence cut) leaves its drafts exactly as in an undisturbed call."""
+    target = tiny_target(seed=5, logit_scale=4.0)
+    drafter = tiny_drafter(target, block_size=6, retrace="random")
+    with torch.no_grad():
+        drafter.retrace.gate.weight.normal_(0, 0.3)
+    prompt = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(1))
+    drafts, _ = _record_drafts(monkeypatch)
+    _run(target, drafter, prompt)
+    undisturbed = list(drafts)
+    assert drafter.last_stats.rounds_with_fused_suffix > 0
+    drafts.clear()
+    original = ReTraceCandidateGenerator.update_candidate_strategy
+
+    def update(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        drafter.config.use_retrace = False
+        drafter.config.retrace_ablation = "no_gate"
+        drafter.config.draft_confidence_threshold = 0.99
+
+    monkeypatch.setattr(ReTraceCandidateGenerator, "update_candidate_strategy", update)
+    _run(target, drafter, prompt)
+    assert drafts == undisturbed
+    monkeypatch.setattr(ReTraceCandidateGenerator, "update_candidate_strategy", original)
+    drafts.clear()
+    _run(target, drafter, prompt)  # the next call does see them
+    assert drafts != undisturbed

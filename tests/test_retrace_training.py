@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 
 from hf_retrace.training.features import FeatureDataset
 from hf_retrace.training.retrace_stage import ReTraceObjective

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from conftest import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import ProposalPolicy, tiny_drafter, tiny_target
 from torch.profiler import ProfilerActivity, profile
 
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator

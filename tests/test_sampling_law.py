@@ -19,8 +19,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_drafter, tiny_target
+from helpers import tiny_drafter, tiny_target
 from scipy.stats import chi2_contingency
+from transformers import GenerationConfig
 
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 
@@ -34,6 +35,11 @@ ALPHA = 1e-3
 WARPERS = {
     "untempered": dict(temperature=1.0, top_k=0, top_p=1.0),
     "warped": dict(temperature=0.7, top_k=6, top_p=0.9),
+    # a penalty that depends on the sequence, under temperature and top-k
+    "penalized": dict(temperature=0.8, top_k=8, top_p=1.0, repetition_penalty=1.3),
+    # the cutoff warpers (top-h where this transformers has it)
+    "cutoffs": dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.02, typical_p=0.95, epsilon_cutoff=0.01,
+                    eta_cutoff=0.01, **({"top_h": 0.9} if hasattr(GenerationConfig(), "top_h") else {})),
 }
 # (proposal mode, warpers, drafter kind, drafter seed). A random drafter proposes poorly; these seeds were picked so
 # that every arm accepts a fair share of drafts (0.3-0.6 per call). "random" = a ReTrace module with a non-zero
@@ -44,10 +50,18 @@ ARMS = [  # drafter seeds chosen so that drafts really get accepted (the rejecti
     ("sample", "untempered", None, 5),
     ("sample", "warped", "random", 1),
 ]
+CUTOFF_ARMS = [("sample", "cutoffs", None, 5)]  # drawn after all the others: their seeds stay as they were
 # the hybrid: context-lookup rounds (1-gram matches, so they are frequent here) mixed with drafter rounds in one call
 LOOKUP_ARMS = [
     ("argmax", "untempered", "random", 1),
     ("sample", "warped", None, 5),
+]
+# a drafter whose vocabulary is a subset (DRAFT_VOCAB of the VOCAB tokens): its proposals never leave it, the target's
+# own tokens outside it come from the correction (the residual law) alone
+DRAFT_VOCAB = 8
+DRAFT_VOCAB_ARMS = [
+    ("sample", "penalized", None, 5),
+    ("argmax", "penalized", "random", 1),
 ]
 SHIFTED_TEMPERATURE = 1.3  # the power check's "slightly wrong" sampler
 
@@ -117,7 +131,7 @@ def plain_lookup(target):
     """Plain sampling after the lookup arms' prompt, per warper set (seeded)."""
     prompt = lookup_prompt(target)
     return {name: _plain_samples(target, N_PLAIN, seed=400 + i, prompt=prompt, **kw)
-            for i, (name, kw) in enumerate(WARPERS.items())}
+            for i, (name, kw) in enumerate(WARPERS.items()) if name in {warp for _, warp, _, _ in LOOKUP_ARMS}}
 
 
 @pytest.fixture(scope="module")
@@ -141,9 +155,11 @@ def assisted(target):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ReTraceCandidateGenerator, "_propose", recording_propose)
-        arms = [(*arm, False) for arm in ARMS] + [(*arm, True) for arm in LOOKUP_ARMS]
-        for arm_index, (mode, warp, retrace, drafter_seed, lookup) in enumerate(arms):
-            drafter = tiny_drafter(target, block_size=BLOCK_SIZE, seed=drafter_seed, retrace=retrace)
+        arms = [(*arm, False, None) for arm in ARMS] + [(*arm, True, None) for arm in LOOKUP_ARMS]
+        arms += [(*arm, False, DRAFT_VOCAB) for arm in DRAFT_VOCAB_ARMS] + [(*arm, False, None) for arm in CUTOFF_ARMS]
+        for arm_index, (mode, warp, retrace, drafter_seed, lookup, draft_vocab_size) in enumerate(arms):
+            drafter = tiny_drafter(target, block_size=BLOCK_SIZE, seed=drafter_seed, retrace=retrace,
+                                   draft_vocab_size=draft_vocab_size)
             drafter.proposal_mode = mode
             drafter.config.lookup, drafter.config.lookup_min_ngram = lookup, 2
             prompt = lookup_prompt(target) if lookup else PROMPT
@@ -163,7 +179,9 @@ def assisted(target):
                 full_blocks += sum(a == d and d > 0 for a, d, _ in stats.round_log)
                 fused += stats.rounds_with_fused_suffix
                 lookup_rounds += stats.lookup_rounds
-            results[(mode, warp, "lookup") if lookup else (mode, warp)] = dict(
+            key = (mode, warp, "lookup") if lookup else (mode, warp)
+            key = (mode, warp, "draft_vocab") if draft_vocab_size else key
+            results[key] = dict(
                 lookup_rounds=lookup_rounds,
                 tokens=tokens,
                 first_drafts=np.array(first_drafts),
@@ -172,12 +190,13 @@ def assisted(target):
                 full_blocks=full_blocks,
                 fused=fused,
                 retrace=retrace,
+                draft_vocab=None if drafter.draft_vocab is None else set(drafter.draft_vocab.tolist()),
             )
     return results
 
 
 # --- the tests ----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("mode,warp", [(m, w) for m, w, _, _ in ARMS])
+@pytest.mark.parametrize("mode,warp", [(m, w) for m, w, _, _ in ARMS + CUTOFF_ARMS])
 def test_assisted_sampling_follows_the_target_law(mode, warp, assisted, plain):
     arm = assisted[(mode, warp)]
     # the drafter really takes part: drafting rounds ran, drafts were accepted, sometimes a whole block
@@ -201,6 +220,20 @@ def test_hybrid_sampling_follows_the_target_law(mode, warp, assisted, plain_look
     assert min(pvalues.values()) > ALPHA, f"hybrid {mode}/{warp}: departs from plain sampling: {pvalues}"
 
 
+@pytest.mark.parametrize("mode,warp", [(m, w) for m, w, _, _ in DRAFT_VOCAB_ARMS])
+def test_draft_vocabulary_sampling_follows_the_target_law(mode, warp, assisted, plain):
+    """A drafter that can only propose DRAFT_VOCAB of the tokens, under a repetition penalty, temperature and top-k:
+    the target's tokens outside the draft vocabulary still come at their own rates."""
+    arm = assisted[(mode, warp, "draft_vocab")]
+    inside = np.isin(plain[warp], list(arm["draft_vocab"]))
+    assert 0.05 < 1 - inside.mean() < 0.95, "the target's law must put mass inside and outside the draft vocabulary"
+    assert set(arm["first_drafts"].tolist()) <= arm["draft_vocab"], "a proposal left the draft vocabulary"
+    assert arm["rounds"] >= N_ASSISTED and arm["accepted"] > 0.1 * N_ASSISTED and arm["full_blocks"] > 0, arm
+    assert not np.isin(arm["tokens"], list(arm["draft_vocab"])).all(), "no token from outside the draft vocabulary"
+    pvalues = law_battery(arm["tokens"], plain[warp])
+    assert min(pvalues.values()) > ALPHA, f"draft vocabulary {mode}/{warp}: departs from plain sampling: {pvalues}"
+
+
 def test_warpers_shape_the_law(assisted, plain):
     """Sanity: top-k/top-p really cut tokens off, and the assisted samples never produce a cut token."""
     for position in range(MAX_NEW):
@@ -218,7 +251,7 @@ def test_power_two_plain_samples_pass(target, plain):
         assert min(pvalues.values()) > ALPHA, (name, pvalues)
 
 
-@pytest.mark.parametrize("warp", list(WARPERS))
+@pytest.mark.parametrize("warp", ["untempered", "warped"])
 def test_power_draft_proposals_are_rejected(warp, assisted, plain):
     """Committing the drafter's sampled proposals unverified would be caught: their law of token #2 is rejected."""
     drafts = assisted[("sample", warp)]["first_drafts"]

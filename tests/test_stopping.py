@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ProposalPolicy, byte_level_tokenizer, tiny_drafter, tiny_target
-from transformers import StoppingCriteria, StoppingCriteriaList
+from helpers import ProposalPolicy, StopAtToken, byte_level_tokenizer, tiny_drafter, tiny_target
+from transformers import StoppingCriteriaList
 
 VOCAB = 96
 NEW = 40
@@ -20,16 +20,6 @@ def models():
 
 def _prompt(seed: int) -> torch.Tensor:
     return torch.randint(4, VOCAB, (1, 7), generator=torch.Generator().manual_seed(seed))
-
-
-class StopAtToken(StoppingCriteria):
-    """A custom criterion: stop once ``token`` was generated (checked on the newest token only, as plain does)."""
-
-    def __init__(self, token: int):
-        self.token = token
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return input_ids[:, -1] == self.token
 
 
 class Collector:
@@ -98,3 +88,22 @@ def test_classifier_free_guidance_is_refused_before_the_target_runs(models, coun
     with pytest.raises(ValueError, match="guidance_scale"):
         target.generate(_prompt(0), assistant_model=drafter, max_new_tokens=5, guidance_scale=1.5)
     assert forwards["n"] == 0
+
+
+@pytest.mark.parametrize("criterion", ["custom", "stop_string"])
+def test_a_prompt_that_already_meets_a_criterion_still_gets_its_tokens(models, use_policy, criterion):
+    """Plain decoding checks the criteria on generated tokens only: a prompt ending in the stop token or stop string
+    still gets its answer (transformers 4.57's loop checks the undrafted prefill's candidate, i.e. the prompt)."""
+    target, drafter, tokenizer = models
+    prompt = _prompt(9)
+    if criterion == "custom":
+        kwargs = dict(stopping_criteria=StoppingCriteriaList([StopAtToken(int(prompt[0, -1]))]))
+    else:
+        kwargs = dict(stop_strings=[tokenizer.decode(prompt[0, -2:])], tokenizer=tokenizer)
+    kwargs.update(max_new_tokens=12, do_sample=False)
+    plain = target.generate(prompt, **kwargs)
+    assert plain.shape[1] > prompt.shape[1] + 1, "plain must generate past the prompt for the test to mean anything"
+    use_policy(ProposalPolicy(plain, "partial", VOCAB, seed=1))
+    ours = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert ours.tolist() == plain.tolist()
+    assert drafter.last_stats.new_tokens == plain.shape[1] - prompt.shape[1]

@@ -15,30 +15,18 @@ import torch
 
 import hf_retrace  # noqa: F401  (installs the generate hook)
 from hf_retrace import ReTraceConfig, ReTraceDrafter
-from hf_retrace.training.features import (
-    FeatureDataset,
-    OnlineFeatures,
-    PrecomputedFeatures,
-    collate_sequences,
-    precompute_features,
-    tapped_hidden_states,
-)
+from hf_retrace.training.checkpoints import latest_checkpoint
+from hf_retrace.training.drafter_init import check_drafter_matches_target, copy_target_layers, drafter_config_from_target
+from hf_retrace.training.evaluation import TauEvaluator
+from hf_retrace.training.features import FeatureDataset, OnlineFeatures, collate_sequences, tapped_hidden_states
 from hf_retrace.training.objective import (
     DFlashObjective,
     build_block_attention_mask,
     decay_weights,
     sample_anchors,
 )
-from hf_retrace.training.trainer import (
-    TauEvaluator,
-    Trainer,
-    TrainingArguments,
-    check_drafter_matches_target,
-    copy_target_layers,
-    drafter_config_from_target,
-    latest_checkpoint,
-    retrace_parameters,
-)
+from hf_retrace.training.precomputed_features import PrecomputedFeatures, precompute_features
+from hf_retrace.training.trainer import Trainer, TrainingArguments, retrace_parameters
 
 VOCAB, CYCLE, EOS, PAD = 48, 40, 47, 46
 
@@ -395,7 +383,7 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
 
 
 def test_resume_with_changed_settings_is_refused_with_the_differences_listed(tmp_path, counting_target):
-    from hf_retrace.training.commands import RUN_SETTINGS, check_resume_settings, run_settings
+    from hf_retrace.training.checks import RUN_SETTINGS, check_resume_settings, run_settings
 
     data = _tokenized(tmp_path)
     base = ["--target", "default", "--data", str(data), "--out", str(tmp_path / "run"), "--block-size", "4"]

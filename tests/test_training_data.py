@@ -39,7 +39,7 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def tiny_target(tokenizer):
+def target_with_smollm_vocab(tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -129,9 +129,9 @@ def test_dataset_like_input_uses_row_indices():
 # --- generation ---------------------------------------------------------------------------------------------------
 
 
-def test_left_padded_batches_match_batch_one_greedy(tmp_path, tokenizer, tiny_target):
-    batched = generate_responses(tiny_target, tokenizer, PROMPTS, tmp_path / "b4", batch_size=4, max_new_tokens=12)
-    single = generate_responses(tiny_target, tokenizer, PROMPTS, tmp_path / "b1", batch_size=1, max_new_tokens=12)
+def test_left_padded_batches_match_batch_one_greedy(tmp_path, tokenizer, target_with_smollm_vocab):
+    batched = generate_responses(target_with_smollm_vocab, tokenizer, PROMPTS, tmp_path / "b4", batch_size=4, max_new_tokens=12)
+    single = generate_responses(target_with_smollm_vocab, tokenizer, PROMPTS, tmp_path / "b1", batch_size=1, max_new_tokens=12)
     assert batched.num_generated == single.num_generated == len(PROMPTS)
     batched_records, single_records = _records_by_id(tmp_path / "b4"), _records_by_id(tmp_path / "b1")
     for prompt in PROMPTS:
@@ -155,12 +155,12 @@ class _CrashingTarget:
         return self.model.generate(**kwargs)
 
 
-def test_generation_resumes_after_a_limited_run(tmp_path, tokenizer, tiny_target):
+def test_generation_resumes_after_a_limited_run(tmp_path, tokenizer, target_with_smollm_vocab):
     kwargs = dict(batch_size=2, max_new_tokens=8, shard_size=3)
-    generate_responses(tiny_target, tokenizer, PROMPTS, tmp_path / "reference", **kwargs)
+    generate_responses(target_with_smollm_vocab, tokenizer, PROMPTS, tmp_path / "reference", **kwargs)
 
-    first = generate_responses(tiny_target, tokenizer, PROMPTS[:3], tmp_path / "resumed", **kwargs)
-    spy = _CrashingTarget(tiny_target)
+    first = generate_responses(target_with_smollm_vocab, tokenizer, PROMPTS[:3], tmp_path / "resumed", **kwargs)
+    spy = _CrashingTarget(target_with_smollm_vocab)
     second = generate_responses(spy, tokenizer, PROMPTS, tmp_path / "resumed", **kwargs)
     assert (first.num_generated, second.num_already_done, second.num_generated) == (3, 3, len(PROMPTS) - 3)
     assert sum(spy.batch_sizes) == len(PROMPTS) - 3  # only the remaining ids were sent to the target
@@ -168,33 +168,33 @@ def test_generation_resumes_after_a_limited_run(tmp_path, tokenizer, tiny_target
     assert not list((tmp_path / "resumed").glob("*.partial"))
 
 
-def test_generation_resumes_after_a_kill_and_a_torn_line(tmp_path, tokenizer, tiny_target):
+def test_generation_resumes_after_a_kill_and_a_torn_line(tmp_path, tokenizer, target_with_smollm_vocab):
     kwargs = dict(batch_size=2, max_new_tokens=8, shard_size=100)
-    generate_responses(tiny_target, tokenizer, PROMPTS, tmp_path / "reference", **kwargs)
+    generate_responses(target_with_smollm_vocab, tokenizer, PROMPTS, tmp_path / "reference", **kwargs)
 
     with pytest.raises(KeyboardInterrupt):
-        generate_responses(_CrashingTarget(tiny_target, crash_after=2), tokenizer, PROMPTS, tmp_path / "run", **kwargs)
+        generate_responses(_CrashingTarget(target_with_smollm_vocab, crash_after=2), tokenizer, PROMPTS, tmp_path / "run", **kwargs)
     [partial] = list((tmp_path / "run").glob("*.partial"))
     assert response_shards(tmp_path / "run") == []  # nothing is promoted before it is complete
     with partial.open("a", encoding="utf-8") as handle:
         handle.write('{"id": "torn", "prompt": "half a li')  # a kill in the middle of a write
 
-    spy = _CrashingTarget(tiny_target)
+    spy = _CrashingTarget(target_with_smollm_vocab)
     summary = generate_responses(spy, tokenizer, PROMPTS, tmp_path / "run", **kwargs)
     assert summary.num_already_done == 4 and sum(spy.batch_sizes) == len(PROMPTS) - 4
     assert _records_by_id(tmp_path / "run") == _records_by_id(tmp_path / "reference")
     assert [path.name for path in response_shards(tmp_path / "run")] == ["responses-00000.jsonl"]
 
 
-def test_response_records_have_the_documented_fields(tmp_path, tokenizer, tiny_target):
+def test_response_records_have_the_documented_fields(tmp_path, tokenizer, target_with_smollm_vocab):
     eos = tokenizer.eos_token_id
     with torch.no_grad():  # make the end of turn the only likely token, so the "eos" path is taken
-        tiny_target.lm_head.weight.data[eos] += 50.0 * tiny_target.lm_head.weight.data[eos].sign()
+        target_with_smollm_vocab.lm_head.weight.data[eos] += 50.0 * target_with_smollm_vocab.lm_head.weight.data[eos].sign()
     try:
-        generate_responses(tiny_target, tokenizer, PROMPTS[:2], tmp_path, max_new_tokens=4)
+        generate_responses(target_with_smollm_vocab, tokenizer, PROMPTS[:2], tmp_path, max_new_tokens=4)
     finally:
         with torch.no_grad():
-            tiny_target.lm_head.weight.data[eos] -= 50.0 * tiny_target.lm_head.weight.data[eos].sign()
+            target_with_smollm_vocab.lm_head.weight.data[eos] -= 50.0 * target_with_smollm_vocab.lm_head.weight.data[eos].sign()
     for record in read_responses([tmp_path]):
         assert set(record) == {"id", "prompt", "response", "finish", "response_tokens", "response_ids"}
         assert record["finish"] in ("eos", "length")
@@ -202,8 +202,8 @@ def test_response_records_have_the_documented_fields(tmp_path, tokenizer, tiny_t
     assert "eos" in {record["finish"] for record in read_responses([tmp_path])}
 
 
-def test_too_long_prompts_are_skipped(tmp_path, tokenizer, tiny_target):
-    summary = generate_responses(tiny_target, tokenizer, PROMPTS, tmp_path, max_new_tokens=2, max_prompt_tokens=40)
+def test_too_long_prompts_are_skipped(tmp_path, tokenizer, target_with_smollm_vocab):
+    summary = generate_responses(target_with_smollm_vocab, tokenizer, PROMPTS, tmp_path, max_new_tokens=2, max_prompt_tokens=40)
     lengths = [len(ids) for ids in prompt_token_ids(tokenizer, [p.prompt for p in PROMPTS])]
     assert summary.num_too_long == sum(length > 40 for length in lengths) > 0
     assert len(_records_by_id(tmp_path)) == len(PROMPTS) - summary.num_too_long

@@ -1,4 +1,4 @@
-"""The ``hf-retrace bench`` subcommand: argument parsing only; the work is in ``runner`` and ``report``."""
+"""The ``hf-retrace bench`` subcommand: argument parsing only; the work is in ``plan``, ``runner`` and ``report``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..loading import dtype_arg
 from .datasets import DATASETS
-from .runner import ALL_METHODS, DEFAULT_METHODS, MAIN_DRAFTER, BenchInputError, BenchSpec, plan_benchmark
+from .methods import ALL_METHODS, DEFAULT_METHODS, MAIN_DRAFTER, OWN_DRAFTER_NAMES
+from .plan import BenchInputError, BenchSpec, plan_benchmark
 
 EPILOG = """\
 examples:
@@ -37,16 +38,14 @@ def _seeds(text: str) -> list[int]:
 
 def parse_drafters(values: list[str] | None) -> dict[str, str]:
     """``--drafter PATH`` (the main drafter) and ``--drafter NAME=PATH`` (a method's or an ablation's own drafter)."""
-    names = {n for n, m in ALL_METHODS.items() if m.needs_drafter} | {n.split("-", 1)[1] for n in ALL_METHODS
-                                                                       if n.startswith("retrace-")}
     drafters: dict[str, str] = {}
     for value in values or []:
         name, sep, path = value.partition("=")
-        if sep and name in names | {MAIN_DRAFTER}:
+        if sep and name in OWN_DRAFTER_NAMES | {MAIN_DRAFTER}:
             key = name
         elif sep and re.fullmatch(r"[A-Za-z0-9_-]+", name) and not Path(value).exists():
             raise BenchInputError(f"--drafter {value}: unknown drafter name {name!r}; use PATH for the main drafter "
-                                  f"or NAME=PATH with NAME one of {', '.join(sorted(names))}")
+                                  f"or NAME=PATH with NAME one of {', '.join(sorted(OWN_DRAFTER_NAMES))}")
         else:
             key, path = MAIN_DRAFTER, value
         if key in drafters:

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..jsonl import iter_jsonl
+
 __all__ = [
     "DATASETS",
     "DATA_DIR",
@@ -149,28 +151,10 @@ def _resolve(name_or_path: str | os.PathLike) -> tuple[Path, str | None]:
 
 
 def _read_records(path: Path) -> list[tuple[int, dict]]:
-    records: list[tuple[int, dict]] = []
     try:
-        fh = open(path, encoding="utf-8")
+        records = list(iter_jsonl(path, expected=f"with one of the fields {', '.join(PROMPT_FIELDS)}"))
     except OSError as exc:
         raise ValueError(f"cannot read dataset file {path}: {exc}") from exc
-    with fh:
-        try:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}: line {lineno} is not valid JSON ({exc.msg})") from None
-                if not isinstance(rec, dict):
-                    raise ValueError(
-                        f"{path}: line {lineno} is a JSON {type(rec).__name__}, expected an object "
-                        f"with one of the fields {', '.join(PROMPT_FIELDS)}"
-                    )
-                records.append((lineno, rec))
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path} is not UTF-8 text ({exc.reason}); expected a JSONL file") from None
     if not records:
         raise ValueError(f"{path} holds no records; expected one JSON object per line")
     return records

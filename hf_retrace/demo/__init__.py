@@ -1,7 +1,7 @@
 """``hf-retrace demo``: a Gradio page showing ReTrace drafting, being rejected and recovering, next to plain decoding.
 
 Importing this module is cheap (argparse only): gradio, torch and the models are imported when the command runs.
-The app itself lives in :mod:`hf_retrace.demo.app` (``build_app``, ``DemoEngine``).
+The page lives in :mod:`hf_retrace.demo.app` (``build_app``, ``launch``), the engine in :mod:`hf_retrace.demo.engine`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from ..loading import MAX_NEW_TOKENS, SHORT_DTYPES, dtype_arg
 __all__ = ["register", "cmd_demo"]
 
 
-
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Add the ``demo`` subcommand to the ``hf-retrace`` parser."""
     p = subparsers.add_parser(
@@ -31,6 +30,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--share", action="store_true", default=False, help="also open a public *.gradio.live link")
+    p.add_argument("--allow-custom-drafters", action="store_true", default=False,
+                   help="let the page load drafter folders from this machine's disk even when others can reach it "
+                   "(--host beyond localhost, or --share); only on a network you trust")
     p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="fp32",
                    help="weights dtype (fp32 default: greedy output is then bit-identical to plain decoding)")
     p.add_argument("--concurrency", type=int, default=2, help="requests generating at the same time (queue beyond)")
@@ -87,7 +89,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if importlib.util.find_spec("gradio") is None:
         return _fail('gradio is not installed; run `pip install "hf-retrace[demo]"` (gradio>=5,<7).')
 
-    from .app import DemoEngine, DemoError, Limits, build_app, launch
+    from .app import build_app, launch
+    from .engine import DemoEngine
+    from .limits import DemoError, Limits
 
     try:
         engine = DemoEngine.from_pretrained(
@@ -95,12 +99,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
             args.drafter,
             dtype=args.dtype,
             limits=Limits(max_new_tokens=args.max_new_tokens),
-            # the page's "drafter folder" box reads server paths: only for a private server on this machine
-            allow_custom_drafters=not args.share and args.host in ("127.0.0.1", "localhost", "::1"),
             warmup=not args.no_warmup,
         )
     except DemoError as exc:
         return _fail(str(exc))
     app = build_app(engine, concurrency=args.concurrency)
-    launch(app, host=args.host, port=args.port, share=args.share)
+    # the page's "drafter folder" box reads server paths: launch() keeps it to a private server unless allowed
+    launch(app, host=args.host, port=args.port, share=args.share,
+           allow_custom_drafters=True if args.allow_custom_drafters else None)
     return 0

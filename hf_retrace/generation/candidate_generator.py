@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from ..retrace import RejectedSuffix
+from ..retrace import PendingSuffix
 from ..stats import GenerationStats, last_stats_slot
 from .lookup import ContextLookup
 from .target_features import TargetTap
@@ -85,7 +85,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.tap = TargetTap(target, drafter.config.target_layer_ids, bool(generation_config.output_hidden_states))
         self.requires_model_outputs = self.tap.uses_model_outputs
         self.model_kwargs_overrides = self.tap.model_kwargs_overrides
+        # run-time choices are read once per call: a caller changing the shared config mid-call changes nothing here
         self.use_retrace = drafter.retrace is not None and drafter.config.retrace_enabled
+        self.retrace_ablation = drafter.config.retrace_ablation
         self.cache = DynamicCache()
         self.context_length = 0  # positions whose target states the generator has read (cached or pending)
         self.cache_length = 0  # positions whose context K/V the drafter cache holds
@@ -98,9 +100,8 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         # on CPUs where each verified token costs a fraction of a step, long unconfirmed lookups do not pay
         self.lookup_budget = min(LOOKUP_START_TOKENS, self.lookup_num_tokens)
         self.draft_round: DraftRound | None = None
-        self.rejected_suffix: RejectedSuffix | None = None
+        self.rejected_suffix: PendingSuffix | None = None  # completed by the next call's verification window
         self.kept_pending: list[tuple[int, int]] = []  # (position, rejected token) awaiting the committed token
-        self.suffix_anchor = 0  # anchor of the round whose rejected suffix is kept
         self.stats = GenerationStats()
         last_stats_slot(drafter).set(self.stats)
         self._verify_started = 0.0
@@ -138,7 +139,8 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         # one non-causal drafter forward over [anchor, MASK x (B-1)], reading the context not yet in its cache
         if self.pending_context is not None:
             fresh, self.pending_context = torch.cat([self.pending_context, fresh], dim=1), None
-        block = self.drafter.block_embeddings(input_ids[:, -1].to(self.drafter.device), self.embed_tokens, aligned)
+        block = self.drafter.block_embeddings(input_ids[:, -1].to(self.drafter.device), self.embed_tokens, aligned,
+                                              self.retrace_ablation)
         positions = torch.arange(self.cache_length, anchor_position + self.block_size, device=block.device)
         hidden = self.drafter(
             target_hidden=fresh,
@@ -156,6 +158,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         draft_tokens, draft_logits = self._propose(input_ids, draft_logits)
         draft_tokens = self._cut_after_eos(draft_tokens)
         k = draft_tokens.shape[1]
+        if k == 0:  # the processors allow no token of the draft vocabulary at slot 1: the target steps alone
+            self.stats.draft_seconds += time.perf_counter() - started
+            return input_ids, None
         self.draft_round = DraftRound(anchor_position, draft_tokens[0], drafter_hidden[0, :k], aligned is not None)
         self.stats.draft_seconds += time.perf_counter() - started
         self._verify_started = time.perf_counter()
@@ -191,14 +196,13 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         if not self.use_retrace:
             return
         target_p, target_t = scores[0, slots - 1].float().softmax(-1).max(-1)  # row j-1 predicts position s+j
-        self.suffix_anchor = draft.anchor_position
-        self.rejected_suffix = RejectedSuffix(
+        self.rejected_suffix = PendingSuffix(
+            anchor_position=draft.anchor_position,
             positions=(draft.anchor_position + slots)[None],
             drafter_hidden=draft.drafter_hidden[slots - 1][None],
             rejected_tokens=rejected[None],
             target_tokens=target_t.to(rejected.device)[None],
             target_probs=target_p.to(rejected.device)[None],
-            target_features=None,  # the target's tapped rows arrive with the next call's verification window
         )
 
     # --- pieces of the round -------------------------------------------------------------------------------------
@@ -248,11 +252,10 @@ class ReTraceCandidateGenerator(CandidateGenerator):
 
     def _read_rejected_rows(self, window: torch.Tensor, anchor_position: int):
         """Complete the kept suffix with the target's tapped states at its rows; align it with the new block."""
-        suffix = self.rejected_suffix
-        if suffix is None:
+        pending = self.rejected_suffix
+        if pending is None:
             return None
-        rows = suffix.positions[0] - self.suffix_anchor  # window row j: the target's view of rejected slot j
-        suffix.target_features = self.drafter.project_context(window[:, rows])
+        suffix = pending.complete(self.drafter.project_context(window[:, pending.window_rows]))
         return suffix.align(anchor_position, self.block_size)
 
     def _draft_logits(self, drafter_hidden: torch.Tensor) -> torch.Tensor:
@@ -270,7 +273,10 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         return full.index_copy_(-1, self.draft_vocab, logits)
 
     def _propose(self, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Argmax (default) or sampled proposals from the processed draft logits, one slot after another."""
+        """Argmax (default) or sampled proposals from the processed draft logits, one slot after another.
+
+        The block ends before a slot where the processors leave no token of the draft vocabulary (see ``_process``).
+        """
         logits = logits.to(input_ids.device)
         if len(self.logits_processor) == 0 and not self.sampled_proposals:
             best = logits.argmax(-1)
@@ -278,13 +284,26 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         logits = self._full_vocab(logits)
         ids = input_ids
         for i in range(logits.shape[1]):
-            logits[:, i] = self.logits_processor(ids, logits[:, i])
+            processed = self._process(ids, logits[:, i])
+            if processed is None:
+                break
+            logits[:, i] = processed
             if self.sampled_proposals:
                 token = torch.multinomial(logits[:, i].softmax(-1), num_samples=1)
             else:
                 token = logits[:, i].argmax(-1, keepdim=True)
             ids = torch.cat([ids, token], dim=-1)
         return ids[:, input_ids.shape[1] :], logits
+
+    def _process(self, ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor | None:
+        """The call's processors on one slot's draft scores; None as soon as they leave no token (all ``-inf``, e.g.
+        ``suppress_tokens`` covering the draft vocabulary): no proposal exists there, and the warpers after that point
+        (and sampling) would fail on it. Ending the block early only means fewer candidates."""
+        for processor in self.logits_processor:
+            scores = processor(ids, scores)
+            if not bool((scores > float("-inf")).any()):
+                return None
+        return scores
 
     def _undrafted_prefill(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The prompt alone; or, when it ends in an EOS token, the prompt plus that EOS as a placeholder draft.

@@ -14,11 +14,12 @@ import types
 from typing import Any
 
 from transformers import GenerationMixin
+from transformers.generation import SynthIDTextWatermarkingConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..configuration import drafter_target_mismatches
 from .candidate_generator import ReTraceCandidateGenerator
-from .stopping import PerTokenStopping, StopAwareStreamer, trim_output
+from .stopping import PerTokenStopping, StopAwareStreamer
 
 _WRAPPED = "_hf_retrace_wrapped"
 _OURS: set[int] = set()
@@ -44,10 +45,57 @@ def check_target(drafter: Any, target: Any) -> None:
 
 
 # generate settings that choose another drafting method; with an hf_retrace drafter they would be silently ignored
-_OTHER_SPECULATION = ("prompt_lookup_num_tokens", "assistant_early_exit", "speculation_type")
+_OTHER_SPECULATION = ("prompt_lookup_num_tokens", "assistant_early_exit", "speculation_type", "use_mtp")
+
+
+def _refusals(generation_config: Any) -> list[str]:
+    """What in this call's settings would make the output differ from plain ``generate``, one sentence each.
+
+    transformers runs the logits processors on every drafted prefix (the target's verification, and our argmax or
+    sampled proposals): a processor is lossless only when it is a function of the prefix it is given. The audit of
+    every processor ``generate`` builds from its settings, with a test of each verdict, is
+    ``tests/test_processor_audit.py``; the two stateful ones are refused here.
+    """
+    config, problems = generation_config, []
+    guidance = getattr(config, "guidance_scale", None)
+    if guidance is not None and guidance != 1:
+        problems.append(
+            f"guidance_scale={guidance}: classifier-free guidance runs its own unconditional forward, with a cache "
+            "that advances each time its logits processor runs; on drafted tokens it would advance for tokens the "
+            "target then rejects, and the output would differ from plain generate. Drop guidance_scale"
+        )
+    watermark = getattr(config, "watermarking_config", None)
+    if isinstance(watermark, SynthIDTextWatermarkingConfig):
+        problems.append(
+            "watermarking_config is a SynthIDTextWatermarkingConfig: its logits processor keeps a state (the last "
+            "n-gram context and the contexts already watermarked) that advances each time it runs; on drafted tokens "
+            "it would advance for tokens the target then rejects, and the output would differ from plain generate. "
+            "Drop the SynthID watermark (WatermarkingConfig, which reseeds from the context on every call, is "
+            "supported)"
+        )
+    if getattr(config, "use_cache", True) is False:
+        problems.append(
+            "use_cache=False: speculative decoding verifies each drafted block against the target's KV cache and "
+            "rolls it back to the accepted prefix. Drop use_cache=False (the output is the same with the cache)"
+        )
+    if getattr(config, "dola_layers", None) is not None:
+        problems.append(
+            f"dola_layers={config.dola_layers!r}: DoLa decoding contrasts the target's layers in its own loop, which "
+            "transformers skips when an assistant is given, so the setting would be silently ignored. Drop dola_layers"
+        )
+    ensemble = getattr(config, "assistant_ensemble_weight", None)
+    if ensemble is not None:
+        problems.append(
+            f"assistant_ensemble_weight={ensemble}: ensemble verification accepts drafts from a mix of the target's "
+            "and the drafter's laws, so the output no longer follows the target (and with argmax proposals it is "
+            "ignored). hf_retrace is lossless; drop assistant_ensemble_weight"
+        )
+    return problems
 
 
 def check_generation_mode(generation_mode: Any, generation_config: Any) -> None:
+    """Raise a ValueError, before the target runs, for a call whose output with the drafter would differ from plain
+    ``generate`` or that would silently ignore the drafter."""
     if generation_mode != GenerationMode.ASSISTED_GENERATION:
         raise ValueError(
             f"hf_retrace drafters speed up greedy decoding and sampling only, but this call asks for {generation_mode} "
@@ -55,7 +103,7 @@ def check_generation_mode(generation_mode: Any, generation_config: Any) -> None:
             "num_beams=1, or drop `assistant_model` for beam search."
         )
     others = {name: getattr(generation_config, name, None) for name in _OTHER_SPECULATION}
-    others = {name: value for name, value in others.items() if value is not None}
+    others = {name: value for name, value in others.items() if value not in (None, False)}
     if others:
         settings = ", ".join(f"{name}={value!r}" for name, value in others.items())
         raise ValueError(
@@ -63,14 +111,9 @@ def check_generation_mode(generation_mode: Any, generation_config: Any) -> None:
             "can draft. Drop that setting to use the drafter, or drop `assistant_model` to use it. (For the drafter "
             "plus context lookup in one generator, set `drafter.config.lookup = True`.)"
         )
-    guidance = getattr(generation_config, "guidance_scale", None)
-    if guidance is not None and guidance != 1:
-        raise ValueError(
-            f"guidance_scale={guidance}: classifier-free guidance runs its own unconditional forward, with a cache that "
-            "advances each time its logits processor runs; on drafted tokens it would advance for tokens the target "
-            "then rejects, and the output would differ from plain generate. Drop guidance_scale, or drop "
-            "`assistant_model`."
-        )
+    problems = _refusals(generation_config)
+    if problems:
+        raise ValueError("; ".join(problems) + ", or drop `assistant_model`.")
     if generation_config.num_return_sequences > 1:
         raise ValueError(
             f"num_return_sequences={generation_config.num_return_sequences}: speculative decoding produces one "
@@ -175,7 +218,7 @@ def _wrap_assisted_decoding(original):
             if pending or is_drafter(kwargs.get("assistant_model")):  # our call: stop where plain decoding stops
                 args, kwargs, stopping = _stop_per_token(original, self, args, kwargs, pending)
             output = original(self, *args, **kwargs)
-            return output if stopping is None else trim_output(output, stopping.stop_at, stopping.prompt_length)
+            return output if stopping is None else stopping.trim(output)
         finally:  # every exit path: the target's layers never keep our hooks after the call
             for generator in stack.pop():
                 generator.close()

@@ -72,6 +72,10 @@ class PerTokenStopping(StoppingCriteriaList):
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
         length = input_ids.shape[1]
         candidate = any(input_ids is getattr(g, "last_candidates", None) for g in self.generators)
+        if candidate and length <= self.checked:
+            # 4.57 commits nothing from a "finished" candidate without drafts, but plain decoding never checks the
+            # prompt (or a token twice): a prompt that already meets a criterion must still get its tokens
+            return torch.zeros((input_ids.shape[0],), dtype=torch.bool, device=input_ids.device)
         if length <= self.prompt_length or candidate:
             return super().__call__(input_ids, scores, **kwargs)  # nothing committed to check: as the loop had it
         start = self.checked
@@ -85,6 +89,15 @@ class PerTokenStopping(StoppingCriteriaList):
             self.streamer.release(None if self.stop_at is None else self.stop_at - start)
         done = self.stop_at is not None or self._met(self._timed, input_ids, scores, kwargs)
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    def trim(self, output: Any) -> Any:
+        """``output`` cut where plain decoding stops; the call's stats count the tokens returned, not those the last
+        round committed past the stop."""
+        if self.stop_at is None:
+            return output
+        for generator in self.generators:
+            generator.stats.new_tokens = min(generator.stats.new_tokens, self.stop_at - self.prompt_length)
+        return trim_output(output, self.stop_at, self.prompt_length)
 
 
 def trim_output(output: Any, stop_at: int | None, prompt_length: int) -> Any:

@@ -20,11 +20,21 @@ from torch import nn
 from transformers import GenerationMixin
 
 
+def _unwrapped(method: Any) -> Any:
+    """``method`` under the wrappers put on it: hf_retrace's own dispatch wrapper (it keeps the original in
+    ``_hf_retrace_wrapped``) and ``functools.wraps`` ones (``__wrapped__``)."""
+    while True:
+        inner = getattr(method, "_hf_retrace_wrapped", None) or getattr(method, "__wrapped__", None)
+        if inner is None or inner is method:
+            return method
+        method = inner
+
+
 @functools.lru_cache(maxsize=None)
 def loop_hands_model_outputs() -> bool:
     """Whether this transformers' assisted loop passes ``model_outputs`` to generators that ask for them."""
-    try:
-        return "requires_model_outputs" in inspect.getsource(GenerationMixin._assisted_decoding)
+    try:  # transformers' own loop, not the wrapper ``import hf_retrace`` put around it
+        return "requires_model_outputs" in inspect.getsource(_unwrapped(GenerationMixin._assisted_decoding))
     except (OSError, TypeError):  # source unavailable: fall back to hooks, which always work
         return False
 

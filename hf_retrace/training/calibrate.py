@@ -79,7 +79,7 @@ def calibrate_confidence_threshold(target: Any, drafter: Any, prompt_ids: Sequen
     import hf_retrace  # noqa: F401  (the generate hook)
 
     if not prompt_ids:
-        raise ValueError("calibration needs at least one prompt (held-out training prompts, never dev/).")
+        raise ValueError("calibration needs at least one prompt (held-out training prompts, never benchmark prompts).")
     saved = drafter.config.draft_confidence_threshold, drafter.config.lookup
     drafter.config.draft_confidence_threshold, drafter.config.lookup = 0.0, False  # full blocks, confidences kept
     device = next(target.parameters()).device

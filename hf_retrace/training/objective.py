@@ -131,6 +131,8 @@ class DFlashObjective(nn.Module):
     ``acc_slot`` ``[B-1]`` per-slot accuracy, ``num_blocks``, ``num_labels`` and ``slot_counts`` ``[B-1]``.
     """
 
+    retrace_ablation = "full"  # the ReTrace stage fixes its variant per run (fusion runs only when a suffix is given)
+
     def __init__(
         self,
         drafter: nn.Module,
@@ -193,7 +195,8 @@ class DFlashObjective(nn.Module):
         b, n = anchors.shape
         block_size = self.block_size
         anchor_ids = torch.gather(input_ids, 1, anchors)  # [b, N]
-        embeds = self.drafter.block_embeddings(anchor_ids.reshape(-1), self.frozen.input_embeddings, aligned_suffix)
+        embeds = self.drafter.block_embeddings(anchor_ids.reshape(-1), self.frozen.input_embeddings, aligned_suffix,
+                                               self.retrace_ablation)
         embeds = embeds.reshape(b, n * block_size, -1)
         offsets = torch.arange(block_size, device=anchors.device)
         block_pos = (anchors[:, :, None] + offsets).reshape(b, n * block_size)

@@ -19,8 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..retrace import AlignedSuffix
-from .features import tapped_hidden_states
+from ..retrace import AlignedSuffix, RejectedSuffix
 from .objective import DEFAULT_GAMMA, DFlashObjective, sample_anchors
 
 VERIFICATION_MODES = ("exact", "teacher-forced")
@@ -41,7 +40,8 @@ class ReTraceObjective(DFlashObjective):
         for p in target.parameters():
             p.requires_grad_(False)
         self.verification = verification
-        drafter.config.retrace_trained = True  # the fusion is on in this stage's forwards and evaluations
+        self.retrace_ablation = drafter.config.retrace_ablation  # the variant this run trains, fixed for the run
+        drafter.config.retrace_trained = True  # the fusion is on in this stage's evaluations
 
     @torch.no_grad()
     def _first_pass(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -49,9 +49,6 @@ class ReTraceObjective(DFlashObjective):
         target, drafter = self.frozen.target, self.drafter
         input_ids, loss_mask, attention_mask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
         lengths = attention_mask.long().sum(1)
-        b, t = input_ids.shape
-        block = self.block_size
-        layer_ids = drafter.config.target_layer_ids
         decoder = target.get_decoder()
         if self.verification == "exact":
             from transformers import DynamicCache
@@ -61,44 +58,14 @@ class ReTraceObjective(DFlashObjective):
                           output_hidden_states=True)
         else:
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        features = torch.cat([out.hidden_states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
         anchors, anchor_valid = sample_anchors(loss_mask, lengths, self.num_anchors, batch.get("anchor_generator"))
-        n_blocks = anchors.shape[1]
-
-        # pass 1: the backbone alone (no fusion) drafts at every anchor
-        embeds, position_ids, mask = self.block_inputs(input_ids, anchors, anchor_valid, t)
-        hidden = drafter(target_hidden=features, noise_embedding=embeds, position_ids=position_ids, attention_mask=mask)
-        hidden = hidden.reshape(b, n_blocks, block, -1)[:, :, 1:]
-        weight, bias = self._lm_head_weight(hidden.dtype, hidden.device)
-        drafts = F.linear(hidden, weight, bias).argmax(-1)  # [b, N, B-1] indices into the scored rows
-        if drafter.draft_vocab is not None:
-            drafts = drafter.draft_vocab[drafts]
-
+        drafts, hidden = self._backbone_drafts(input_ids, features, anchors, anchor_valid)
         # the target's verdict at slots 1..B-1: its own token/probability for position s+j, and its states at row j
         if self.verification == "exact":
-            verify_ids = torch.cat([torch.gather(input_ids, 1, anchors)[..., None], drafts], dim=-1)  # [b, N, B]
-            verify_pos = anchors[..., None] + torch.arange(block, device=anchors.device)
-            key_pos = torch.arange(t, device=anchors.device)
-            prefix = (key_pos[None, None, :] < anchors[..., None]).repeat_interleave(block, 1)  # [b, N*B, T]
-            own = torch.arange(n_blocks, device=anchors.device).repeat_interleave(block)
-            causal = torch.tril(torch.ones(block, block, dtype=torch.bool, device=anchors.device)).repeat(
-                n_blocks, n_blocks
-            )
-            inner = (own[:, None] == own[None, :]) & causal
-            verify_mask = torch.cat([prefix, inner[None].expand(b, -1, -1)], dim=-1)[:, None]
-            verified = target(input_ids=verify_ids.reshape(b, -1), position_ids=verify_pos.reshape(b, -1),
-                              attention_mask=verify_mask, past_key_values=cache, use_cache=True,
-                              output_hidden_states=True)
-            logits = verified.logits.reshape(b, n_blocks, block, -1)[:, :, :-1]  # row j-1 -> position s+j
-            verify_features = torch.cat([verified.hidden_states[i + 1] for i in layer_ids], dim=-1)
-            verify_features = verify_features.reshape(b, n_blocks, block, -1)[:, :, 1:]  # row j: slot j's token
+            logits, verify_features = self._exact_verdict(input_ids, anchors, drafts, cache)
         else:
-            rows = (anchors[..., None] + torch.arange(block - 1, device=anchors.device)).clamp(max=t - 1)
-            seq_logits = target.get_output_embeddings()(out.last_hidden_state)
-            logits = torch.gather(seq_logits, 1, rows.reshape(b, -1, 1).expand(-1, -1, seq_logits.shape[-1]))
-            logits = logits.reshape(b, n_blocks, block - 1, -1)
-            feat_rows = (rows + 1).clamp(max=t - 1).reshape(b, -1, 1).expand(-1, -1, features.shape[-1])
-            verify_features = torch.gather(features, 1, feat_rows).reshape(b, n_blocks, block - 1, -1)
+            logits, verify_features = self._teacher_forced_verdict(out.last_hidden_state, features, anchors)
         target_p, target_t = logits.float().softmax(-1).max(-1)
 
         labels, label_valid = self.labels(input_ids, loss_mask, lengths, anchors, anchor_valid)
@@ -110,31 +77,82 @@ class ReTraceObjective(DFlashObjective):
             target_features=drafter.project_context(verify_features), lengths=lengths,
         )
 
+    def _backbone_drafts(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                         anchor_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pass 1: the backbone alone (no fusion) drafts at every anchor; ``[b, N, B-1]`` drafts and their states."""
+        drafter = self.drafter
+        b, t = input_ids.shape
+        embeds, position_ids, mask = self.block_inputs(input_ids, anchors, anchor_valid, t)
+        hidden = drafter(target_hidden=features, noise_embedding=embeds, position_ids=position_ids, attention_mask=mask)
+        hidden = hidden.reshape(b, anchors.shape[1], self.block_size, -1)[:, :, 1:]
+        weight, bias = self._lm_head_weight(hidden.dtype, hidden.device)
+        drafts = F.linear(hidden, weight, bias).argmax(-1)  # [b, N, B-1] indices into the scored rows
+        if drafter.draft_vocab is not None:
+            drafts = drafter.draft_vocab[drafts]
+        return drafts, hidden
+
+    def _exact_verdict(self, input_ids: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor,
+                       cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """One target forward over ``[y_s, d_1..d_{B-1}]`` of every block on the sequence's cache (block-causal)."""
+        target, block = self.frozen.target, self.block_size
+        b, t = input_ids.shape
+        n_blocks = anchors.shape[1]
+        verify_ids = torch.cat([torch.gather(input_ids, 1, anchors)[..., None], drafts], dim=-1)  # [b, N, B]
+        verify_pos = anchors[..., None] + torch.arange(block, device=anchors.device)
+        key_pos = torch.arange(t, device=anchors.device)
+        prefix = (key_pos[None, None, :] < anchors[..., None]).repeat_interleave(block, 1)  # [b, N*B, T]
+        own = torch.arange(n_blocks, device=anchors.device).repeat_interleave(block)
+        causal = torch.tril(torch.ones(block, block, dtype=torch.bool, device=anchors.device)).repeat(
+            n_blocks, n_blocks
+        )
+        inner = (own[:, None] == own[None, :]) & causal
+        verify_mask = torch.cat([prefix, inner[None].expand(b, -1, -1)], dim=-1)[:, None]
+        verified = target(input_ids=verify_ids.reshape(b, -1), position_ids=verify_pos.reshape(b, -1),
+                          attention_mask=verify_mask, past_key_values=cache, use_cache=True,
+                          output_hidden_states=True)
+        logits = verified.logits.reshape(b, n_blocks, block, -1)[:, :, :-1]  # row j-1 -> position s+j
+        layer_ids = self.drafter.config.target_layer_ids
+        verify_features = torch.cat([verified.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        verify_features = verify_features.reshape(b, n_blocks, block, -1)[:, :, 1:]  # row j: slot j's token
+        return logits, verify_features
+
+    def _teacher_forced_verdict(self, last_hidden_state: torch.Tensor, features: torch.Tensor,
+                                anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's outputs on the true sequence at the block's positions (no extra forward)."""
+        block = self.block_size
+        b, t = last_hidden_state.shape[:2]
+        n_blocks = anchors.shape[1]
+        rows = (anchors[..., None] + torch.arange(block - 1, device=anchors.device)).clamp(max=t - 1)
+        seq_logits = self.frozen.target.get_output_embeddings()(last_hidden_state)
+        logits = torch.gather(seq_logits, 1, rows.reshape(b, -1, 1).expand(-1, -1, seq_logits.shape[-1]))
+        logits = logits.reshape(b, n_blocks, block - 1, -1)
+        feat_rows = (rows + 1).clamp(max=t - 1).reshape(b, -1, 1).expand(-1, -1, features.shape[-1])
+        verify_features = torch.gather(features, 1, feat_rows).reshape(b, n_blocks, block - 1, -1)
+        return logits, verify_features
+
     @staticmethod
     def align_next_block(first: dict[str, torch.Tensor], block_size: int) -> tuple[torch.Tensor, AlignedSuffix]:
-        """Next anchors ``s' = s+n+1`` and the kept slots ``j = n+2..B-1`` laid onto their slots ``i = j-n-1``."""
+        """Next anchors ``s' = s+n+1`` and each block's kept slots ``j = n+2..B-1`` on the next block, aligned by
+        the same :meth:`RejectedSuffix.align` as inside ``generate`` (one row per block; unkept slots at -1)."""
         n = first["accepted"]  # [b, N]
         b, n_blocks = n.shape
-        new_slot = torch.arange(1, block_size, device=n.device)  # i = 1..B-1
-        old_slot = new_slot + n[..., None] + 1  # j = i+n+1 (1-based)
-        valid = old_slot <= block_size - 1
-        index = (old_slot.clamp(max=block_size - 1) - 1)  # 0-based among slots 1..B-1
+        slot = torch.arange(1, block_size, device=n.device)  # j = 1..B-1
+        kept = slot >= n[..., None] + 2
+        positions = torch.where(kept, first["anchors"][..., None] + slot, -1)
 
-        def gather(x: torch.Tensor) -> torch.Tensor:
-            idx = index if x.dim() == 3 else index[..., None].expand(-1, -1, -1, x.shape[-1])
-            picked = torch.gather(x, 2, idx)
-            keep = valid if x.dim() == 3 else valid[..., None]
-            return torch.where(keep, picked, torch.zeros_like(picked)).reshape(b * n_blocks, block_size - 1, *x.shape[3:])
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return x.reshape(b * n_blocks, *x.shape[2:])
 
-        aligned = AlignedSuffix(
-            valid=valid.reshape(b * n_blocks, -1),
-            drafter_hidden=gather(first["drafter_hidden"]),
-            rejected_tokens=gather(first["drafts"]),
-            target_tokens=gather(first["target_tokens"]),
-            target_probs=gather(first["target_probs"]),
-            target_features=gather(first["target_features"]),
+        suffix = RejectedSuffix(
+            positions=rows(positions),
+            drafter_hidden=rows(first["drafter_hidden"]),
+            rejected_tokens=rows(first["drafts"]),
+            target_tokens=rows(first["target_tokens"]),
+            target_probs=rows(first["target_probs"]),
+            target_features=rows(first["target_features"]),
         )
-        return first["anchors"] + n + 1, aligned
+        next_anchors = first["anchors"] + n + 1
+        return next_anchors, suffix.align(next_anchors.reshape(-1), block_size)
 
     def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         first = self._first_pass(batch)

@@ -1,0 +1,150 @@
+"""A run's checkpoints: written atomically, found again on resume, exported as a drafter folder.
+
+``out_dir/checkpoints/step-N/`` holds ``model.safetensors`` (the objective's trainable module: ``drafter.*``),
+``optimizer.pt`` (tensors and numbers only) and ``trainer_state.json`` (steps, micro-steps, tokens: the data order and
+the schedule are pure functions of them). A checkpoint is written into ``step-N.tmp``, flushed, then renamed, so a
+kill never leaves a torn one; only the newest ``keep`` are kept.
+
+Example::
+
+    latest_checkpoint("runs/drafter")  # runs/drafter/checkpoints/step-1500
+    export_checkpoint("runs/drafter", "runs/drafter/export")  # a from_pretrained folder of a run stopped early
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..configuration import ReTraceConfig
+from ..loading import torch_dtype
+
+__all__ = ["export_checkpoint", "latest_checkpoint", "read_checkpoint", "save_in_dtype", "truncate_log",
+           "write_checkpoint"]
+
+CHECKPOINTS = "checkpoints"
+CHECKPOINT_MODEL = "model.safetensors"
+CHECKPOINT_OPTIMIZER = "optimizer.pt"  # tensors and numbers only: loaded with weights_only=True
+TRAINER_STATE = "trainer_state.json"
+DRAFTER_INIT = "drafter_init.json"  # the run's drafter config: what export_checkpoint builds the weights into
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Flush every file of ``folder`` and the folder itself, so a rename after it never exposes torn files."""
+    for path in folder.iterdir():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def latest_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest complete ``out_dir/checkpoints/step-N`` (it holds ``trainer_state.json``), or None."""
+    root = Path(out_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return None
+    found = []
+    for path in root.iterdir():
+        match = re.fullmatch(r"step-(\d+)", path.name)
+        if match and (path / TRAINER_STATE).is_file():
+            found.append((int(match.group(1)), path))
+    return max(found)[1] if found else None
+
+
+def write_checkpoint(accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                     out_dir: Path, keep: int) -> Path:
+    """Write ``out_dir/checkpoints/step-N`` (N = ``state["step"]``) and keep the newest ``keep``.
+
+    Every process calls it; the main one writes."""
+    root = out_dir / CHECKPOINTS
+    final = root / f"step-{state['step']}"
+    tmp = root / f"step-{state['step']}.tmp"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        root.mkdir(parents=True, exist_ok=True)
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:  # weights and optimizer are replicated across processes: one copy, no pickle
+        from safetensors.torch import save_file
+
+        tmp.mkdir(parents=True, exist_ok=True)
+        model_state = accelerator.unwrap_model(model).state_dict()
+        save_file({k: v.detach().contiguous() for k, v in model_state.items()}, str(tmp / CHECKPOINT_MODEL))
+        torch.save(optimizer.state_dict(), tmp / CHECKPOINT_OPTIMIZER)
+        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+        _fsync_folder(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.replace(final)
+        kept = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name)))
+        for _, old in kept[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def read_checkpoint(accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> dict[str, Any]:
+    """Load a checkpoint's weights and optimizer state in place; return its trainer state."""
+    from safetensors.torch import load_file
+
+    accelerator.unwrap_model(model).load_state_dict(load_file(str(path / CHECKPOINT_MODEL)))
+    optimizer_file = path / CHECKPOINT_OPTIMIZER
+    if not optimizer_file.exists():
+        optimizer_file = path / "optimizer.bin"  # checkpoints written by accelerate's save_state
+    optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+    return json.loads((path / TRAINER_STATE).read_text())
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop the lines of a JSONL training log after ``step`` (a resumed run redoes those steps)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line torn by a kill mid-write: drop it
+            continue
+        if record.get("step", 0) <= step:
+            kept.append(line)
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+def save_in_dtype(drafter: nn.Module, out_dir: str | os.PathLike[str], dtype: str) -> None:
+    """``save_pretrained`` (safetensors) with the weights and ``config.dtype`` in ``dtype`` (either spelling)."""
+    drafter.to(torch_dtype(dtype))
+    drafter.config.dtype = str(torch_dtype(dtype)).removeprefix("torch.")
+    drafter.save_pretrained(out_dir, safe_serialization=True)
+
+
+def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str],
+                      checkpoint: str | os.PathLike[str] | None = None, dtype: str = "bfloat16") -> Path:
+    """Save the drafter of a run's checkpoint (default: the latest) as a ``from_pretrained`` folder.
+
+    For a run stopped before its end (killed, or cut short on purpose): the architecture comes from the run's
+    ``drafter_init.json``, the weights from ``checkpoints/step-N/model.safetensors``.
+    """
+    from safetensors.torch import load_file
+
+    from ..modeling import ReTraceDrafter
+
+    run_dir = Path(run_dir)
+    checkpoint = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    if checkpoint is None:
+        raise FileNotFoundError(f"{run_dir} has no complete checkpoint to export.")
+    config = ReTraceConfig.from_dict(json.loads((run_dir / DRAFTER_INIT).read_text())["config"])
+    state = {k.removeprefix("drafter."): v for k, v in load_file(str(checkpoint / CHECKPOINT_MODEL)).items()}
+    if any(k.startswith("retrace.") for k in state):
+        config.retrace = True
+    drafter = ReTraceDrafter(config)
+    drafter.load_state_dict(state, strict=True)
+    save_in_dtype(drafter, out_dir, dtype)
+    return Path(out_dir)

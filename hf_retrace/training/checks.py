@@ -1,0 +1,251 @@
+"""Every check of ``hf-retrace train | data | calibrate`` that can fail on user input, run before any model loads.
+
+Paths, folders, prompt files and flag combinations are checked first, so a typo costs seconds, not hours; a
+``--resume`` is refused when the run's settings (``run_settings.json``) differ from the ones given now.
+
+Example::
+
+    facts = validate_train_args(build_train_parser().parse_args(argv))  # SystemExit with a message on bad input
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .checkpoints import CHECKPOINTS, DRAFTER_INIT
+from .data import validate_prompt_file
+from .trainer import LOG_FILE
+
+__all__ = [
+    "RUN_SETTINGS",
+    "check_calibration_args",
+    "check_prompt_file",
+    "check_resume_settings",
+    "is_main_launch_process",
+    "parse_ids",
+    "refuse_held_out",
+    "require_tokenized",
+    "run_settings",
+    "usage_error",
+    "validate_train_args",
+]
+
+HELD_OUT_ENV_VAR = "HF_RETRACE_HELD_OUT_DIRS"  # os.pathsep-separated folders of benchmark prompts
+RUN_SETTINGS = "run_settings.json"
+RUN_MARKERS = (DRAFTER_INIT, LOG_FILE, RUN_SETTINGS, CHECKPOINTS)  # a run's own files
+# the drafter fields that make a checkpoint's weights fit (or not)
+_SHAPE_FIELDS = ("block_size", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "target_layer_ids", "draft_vocab_size", "learned_mask_embedding",
+                 "mask_token_id", "retrace")
+
+
+def usage_error(message: str) -> SystemExit:
+    return SystemExit(f"hf-retrace: error: {message}")
+
+
+def parse_ids(text: str | None) -> list[int] | None:
+    if text is None or text == "":
+        return None
+    try:
+        return [int(x) for x in text.replace(" ", "").split(",") if x != ""]
+    except ValueError:
+        raise usage_error(f"expected a comma-separated list of integers, got {text!r}") from None
+
+
+def _held_out_folder(path: Path) -> Path | None:
+    """The folder of ``$HF_RETRACE_HELD_OUT_DIRS`` that holds ``path`` (benchmark data: never train or tune on it)."""
+    resolved = path.resolve()
+    for folder in filter(None, os.environ.get(HELD_OUT_ENV_VAR, "").split(os.pathsep)):
+        folder_path = Path(folder).resolve()
+        if resolved == folder_path or folder_path in resolved.parents:
+            return folder_path
+    return None
+
+
+def refuse_held_out(path: Path, flag: str) -> None:
+    folder = _held_out_folder(path)
+    if folder is not None:
+        raise usage_error(f"{flag} {path} lies in {folder}, a benchmark folder listed in ${HELD_OUT_ENV_VAR}: "
+                          "train and calibrate on training data only.")
+
+
+def is_main_launch_process() -> bool:
+    """True outside ``accelerate launch``/torchrun, and in its rank-0 process (before any Accelerator exists)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _folder_is_empty(path: Path) -> bool:
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+
+def check_prompt_file(path: str, flag: str) -> None:
+    try:
+        validate_prompt_file(path)
+    except (FileNotFoundError, ValueError) as error:
+        raise usage_error(f"{flag}: {error}") from None
+
+
+def run_settings(args: argparse.Namespace, drafter_config: Any, num_processes: int) -> dict[str, Any]:
+    """What defines a run as one experiment: a ``--resume`` with any of these changed would be another one."""
+    return {
+        "stage": args.stage, "target": args.target, "data": str(Path(args.data).resolve()),
+        "max_sequences": args.max_sequences, "holdout": args.holdout, "seed": args.seed,
+        "init_from": args.init_from, "joint": args.joint, "verification": args.verification,
+        "retrace_ablation": args.retrace_ablation, "num_anchors": args.num_anchors, "gamma": args.gamma,
+        "global_batch": args.batch_size * num_processes * args.grad_accum, "grad_accum": args.grad_accum,
+        "lr": args.lr, "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio,
+        "max_grad_norm": args.max_grad_norm, "epochs": args.epochs, "max_steps": args.max_steps,
+        "bf16": args.bf16, "target_dtype": args.target_dtype,
+        "drafter": {name: getattr(drafter_config, name, None) for name in _SHAPE_FIELDS},
+    }
+
+
+def check_resume_settings(out: Path, settings: dict[str, Any]) -> None:
+    """Refuse a ``--resume`` whose settings differ from the run's in ``out``, listing every difference."""
+    path = out / RUN_SETTINGS
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text())
+    changed = [f"{key}: {saved.get(key)!r} in the run, {value!r} now" for key, value in settings.items()
+               if saved.get(key) != value]
+    if changed:
+        raise usage_error(
+            f"--resume continues the run in {out}, but these settings differ from it: " + "; ".join(changed)
+            + ". Pass the run's own settings to continue it, or start a new --out (to train its drafter further under "
+            f"new settings: --init-from {out}/export after `export_checkpoint`, or from its saved drafter)."
+        )
+
+
+def require_tokenized(data: str) -> None:
+    if not (Path(data) / "manifest.json").is_file():
+        raise usage_error(f"--data {data}: no manifest.json (run `hf-retrace data tokenize` first).")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hf-retrace train
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def validate_train_args(args: argparse.Namespace) -> dict[str, Any]:
+    """All cheap checks; returns facts found on the way (the data manifest). Raises SystemExit with a message."""
+    _check_stage(args)
+    manifest = _tokenized_manifest(Path(args.data))
+    _check_numbers(args)
+    _check_drafter_flags(args)
+    if args.eval_prompts:
+        check_prompt_file(args.eval_prompts, "--eval-prompts")
+        if _held_out_folder(Path(args.eval_prompts)):
+            print("[hf-retrace] note: evaluating tau on held-out benchmark prompts (fine for eval, never for "
+                  "training).", file=sys.stderr)
+    _check_features_dir(args.features_dir, manifest)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise usage_error(f"--out {out} is a file.")
+    has_checkpoint = (out / CHECKPOINTS).is_dir()
+    # under `accelerate launch` only the main process checks, empties and writes --out (the others would see its files)
+    if is_main_launch_process():
+        _check_out_folder(args, out)
+        if args.target != "default" and not Path(args.target).exists() and "/" not in args.target:
+            raise usage_error(f"--target {args.target}: not a folder, a Hub id (owner/name) nor 'default'.")
+    return {"manifest": manifest, "has_checkpoint": has_checkpoint}
+
+
+def _check_stage(args: argparse.Namespace) -> None:
+    if args.stage == "retrace":
+        if not args.init_from:
+            raise usage_error("--stage retrace trains the ReTrace module on a trained DFlash backbone: pass "
+                              "--init-from DRAFTER (e.g. the output folder of a --stage backbone run, or a published "
+                              "DFlash drafter).")
+        if args.features_dir:
+            raise usage_error("--stage retrace runs the target online (its cache verifies the drafts); drop "
+                              "--features-dir.")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 2:
+        raise usage_error("--draft-vocab-size must be at least 2 (or leave it out for the full vocabulary).")
+
+
+def _tokenized_manifest(data: Path) -> dict[str, Any]:
+    manifest_path = data / "manifest.json"
+    if not manifest_path.is_file():
+        raise usage_error(f"--data {data}: no manifest.json; make it with `hf-retrace data tokenize ... --out {data}`.")
+    manifest = json.loads(manifest_path.read_text())
+    if not manifest.get("complete"):
+        raise usage_error(f"--data {data} is only partly tokenized; run `hf-retrace data tokenize` again to finish it.")
+    refuse_held_out(data, "--data")
+    return manifest
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    positive = {"--block-size": args.block_size - 1, "--num-layers": args.num_layers, "--num-anchors": args.num_anchors,
+                "--batch-size": args.batch_size, "--grad-accum": args.grad_accum,
+                "--keep-checkpoints": args.keep_checkpoints, "--eval-max-new-tokens": args.eval_max_new_tokens}
+    for flag, value in positive.items():
+        if value < 1:
+            raise usage_error(f"{flag} must be at least {2 if flag == '--block-size' else 1}.")
+    if args.lr <= 0 or not 0 <= args.warmup_ratio < 1 or args.epochs <= 0:
+        raise usage_error("--lr must be > 0, --warmup-ratio in [0, 1), --epochs > 0.")
+    if args.max_steps is not None and args.max_steps < 1:
+        raise usage_error("--max-steps must be at least 1.")
+
+
+def _check_drafter_flags(args: argparse.Namespace) -> None:
+    if args.init_from and (args.copy_target_layers or args.mask_token_id is not None or args.target_layer_ids):
+        raise usage_error("--init-from takes the drafter's shape from its checkpoint; drop --copy-target-layers, "
+                          "--mask-token-id and --target-layer-ids.")
+    if args.init_from and not Path(args.init_from).exists() and "/" not in args.init_from:
+        raise usage_error(f"--init-from {args.init_from}: not a folder nor a Hub id (owner/name).")
+    parse_ids(args.target_layer_ids)
+    if args.copy_target_layers not in (None, "last"):
+        parse_ids(args.copy_target_layers)
+
+
+def _check_features_dir(features_dir: str | None, manifest: dict[str, Any]) -> None:
+    if not features_dir:
+        return
+    fm = Path(features_dir) / "features.json"
+    if fm.is_file():
+        existing = json.loads(fm.read_text())
+        if existing.get("dataset", {}).get("num_tokens") != manifest.get("num_tokens"):
+            raise usage_error(f"--features-dir {features_dir} was computed for another dataset "
+                              f"({existing.get('dataset')}); use a new folder.")
+
+
+def _check_out_folder(args: argparse.Namespace, out: Path) -> None:
+    if not _folder_is_empty(out) and not (args.resume or args.overwrite):
+        raise usage_error(f"--out {out} is not empty. Pass --resume to continue a run there, --overwrite to start "
+                          "over, or choose a new folder.")
+    if args.resume and args.overwrite:
+        raise usage_error("--resume and --overwrite exclude each other.")
+    if args.overwrite and not _folder_is_empty(out) and not any((out / name).exists() for name in RUN_MARKERS):
+        sample = ", ".join(sorted(p.name for p in out.iterdir())[:5])
+        raise usage_error(f"--overwrite deletes a previous run's output only, but {out} holds other files ({sample}); "
+                          "nothing was deleted. Choose a new --out, or empty that folder yourself.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hf-retrace calibrate
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def check_calibration_args(args: argparse.Namespace) -> tuple[int, int] | None:
+    """All checks of ``hf-retrace calibrate`` that need no model; returns the ``--sequences`` range (or None)."""
+    if not (Path(args.drafter) / "config.json").is_file():
+        raise usage_error(f"--drafter {args.drafter}: not a drafter folder (no config.json).")
+    if bool(args.prompts) == bool(args.data):
+        raise usage_error("calibrate needs prompts: --data DIR --sequences A:B (never trained on), or --prompts FILE.")
+    if args.prompts:
+        check_prompt_file(args.prompts, "--prompts")
+        refuse_held_out(Path(args.prompts), "--prompts")
+        return None
+    require_tokenized(args.data)
+    refuse_held_out(Path(args.data), "--data")
+    try:
+        start, end = (int(x) for x in (args.sequences or "").split(":"))
+    except ValueError:
+        message = f"--sequences must be A:B (sequence indices never trained on), got {args.sequences!r}."
+        raise usage_error(message) from None
+    return start, end

@@ -1,0 +1,143 @@
+"""Prompts in: JSONL files, ``datasets.Dataset`` rows or dicts, with the prompt and id fields found by name.
+
+:func:`validate_prompt_file` checks a file cheaply before any model is loaded; :func:`read_prompts` reads it.
+
+Example::
+
+    prompts = read_prompts("gsm8k-train.jsonl", limit=64, suffix="\\nPlease reason step by step.")
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...jsonl import iter_jsonl
+
+PROMPT_FIELDS: tuple[str, ...] = ("prompt", "question", "problem", "turns", "messages", "conversations")
+"""Fields a prompt record may carry, in order of preference (``turns``/``messages``/``conversations``: first user
+turn)."""
+
+ID_FIELDS: tuple[str, ...] = ("id", "question_id", "task_id", "unique_id")
+
+
+@dataclass(frozen=True)
+class PromptRecord:
+    """One prompt to send to the target: a stable ``id`` (for resuming) and the user-turn text."""
+
+    id: str
+    prompt: str
+
+
+def _first_user_turn(turns: Any) -> str | None:
+    """The first user message of ``turns`` (a list of strings, of ``{role, content}`` or of ``{from, value}``)."""
+    if not isinstance(turns, (list, tuple)) or not turns:
+        return None
+    for turn in turns:
+        if isinstance(turn, str):
+            return turn
+        if isinstance(turn, Mapping):
+            role = turn.get("role", turn.get("from"))
+            if role in ("user", "human"):
+                text = turn.get("content", turn.get("value"))
+                return text if isinstance(text, str) else None
+    return None
+
+
+def _prompt_text(record: Mapping[str, Any]) -> str | None:
+    """The prompt text of one record, from the first field of :data:`PROMPT_FIELDS` it carries."""
+    for field in PROMPT_FIELDS:
+        if field not in record:
+            continue
+        value = record[field]
+        return value if isinstance(value, str) else _first_user_turn(value)
+    return None
+
+
+def _record_id(record: Mapping[str, Any], fallback: str) -> str:
+    for field in ID_FIELDS:
+        if record.get(field) is not None:
+            return str(record[field])
+    return fallback
+
+
+def _missing_fields_error(where: str, records: Sequence[Mapping[str, Any]]) -> ValueError:
+    found = sorted({key for record in records for key in record})
+    return ValueError(
+        f"{where}: no prompt field found. Fields found: {found}; expected one of {list(PROMPT_FIELDS)} "
+        "(turns/messages/conversations: the first user turn is used). Rename the field or convert the file."
+    )
+
+
+def validate_prompt_file(path: str | os.PathLike[str], num_records: int = 8) -> str:
+    """Check cheaply that ``path`` is JSONL whose first records carry a prompt field; return that field's name.
+
+    Raises ``FileNotFoundError`` or a ``ValueError`` that names the fields found and those expected, so a CLI can
+    fail before loading any model.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Prompt file not found: {path}")
+    head: list[dict[str, Any]] = []
+    for _, record in iter_jsonl(path):
+        head.append(record)
+        if len(head) >= num_records:
+            break
+    if not head:
+        raise ValueError(f"{path}: the file holds no records; expected JSONL with one of {list(PROMPT_FIELDS)}.")
+    for record in head:
+        for field in PROMPT_FIELDS:
+            if field in record and _prompt_text(record) is not None:
+                return field
+    raise _missing_fields_error(f"{path} (first {len(head)} records)", head)
+
+
+def _raw_prompt_records(source: Any) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(fallback id, record) pairs from a JSONL path, a ``datasets.Dataset`` or any iterable of mappings."""
+    if isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        validate_prompt_file(path)
+        for line_number, record in iter_jsonl(path):
+            yield f"{path.stem}-{line_number}", record
+        return
+    # a datasets.Dataset (duck-typed, so `datasets` stays an optional extra) or a plain list of dicts
+    for row_index, record in enumerate(source):
+        if not isinstance(record, Mapping):
+            raise ValueError(f"Prompt record {row_index} is a {type(record).__name__}; expected a mapping.")
+        yield str(row_index), record
+
+
+def read_prompts(
+    path_or_dataset: str | os.PathLike[str] | Iterable[Mapping[str, Any]],
+    limit: int | None = None,
+    *,
+    suffix: str = "",
+) -> list[PromptRecord]:
+    """Read prompts from a JSONL file, a ``datasets.Dataset`` or an iterable of dicts.
+
+    The prompt comes from the first field of :data:`PROMPT_FIELDS` present (for multi-turn records, the first user
+    turn). The id comes from ``id``/``question_id``/``task_id``/``unique_id``, else ``<file stem>-<line number>``
+    (or the row index). ``suffix`` is appended to every prompt (e.g. the DFlash GSM8K/MATH instruction).
+
+    Example::
+
+        prompts = read_prompts("data/train/gsm8k-train.jsonl", limit=64)
+    """
+    prompts: list[PromptRecord] = []
+    seen: set[str] = set()
+    for fallback_id, record in _raw_prompt_records(path_or_dataset):
+        if limit is not None and len(prompts) >= limit:
+            break
+        text = _prompt_text(record)
+        record_id = _record_id(record, fallback_id)
+        if text is None:
+            raise _missing_fields_error(f"prompt record {record_id!r}", [record])
+        if record_id in seen:
+            raise ValueError(f"Duplicate prompt id {record_id!r}: ids must be unique for resumable generation.")
+        seen.add(record_id)
+        prompts.append(PromptRecord(id=record_id, prompt=text + suffix))
+    return prompts
+
