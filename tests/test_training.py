@@ -285,6 +285,43 @@ def test_resume_after_kill_matches_uninterrupted_run(counting_target, tmp_path):
     assert np.allclose([r["loss"] for r in log], [r["loss"] for r in full_log], atol=1e-5)
 
 
+def test_a_crash_inside_a_checkpoint_save_leaves_the_previous_checkpoint_to_resume(counting_target, tmp_path,
+                                                                                  monkeypatch):
+    """A kill while step-4 is being written (after its weights, before its optimizer state): step-2 stays the latest
+    checkpoint, no half-written folder is taken for one, and --resume ends where an uninterrupted run ends."""
+    from hf_retrace.training import checkpoints
+
+    target = counting_target
+    data = FeatureDataset(_dataset(16))
+    init = make_drafter(target).state_dict()
+
+    def fresh():
+        d = make_drafter(target)
+        d.load_state_dict(init)
+        return d
+
+    full = _trainer(target, fresh(), tmp_path / "full", max_steps=6, dataset=data, save_every=0)
+    full.train()
+    original_save = checkpoints.torch.save
+
+    def dies_writing_step_4(obj, path, *args, **kwargs):
+        if "step-4" in str(path):
+            raise KeyboardInterrupt("killed while writing step-4")
+        return original_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoints.torch, "save", dies_writing_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        _trainer(target, fresh(), tmp_path / "run", max_steps=6, dataset=data, save_every=2).train()
+    monkeypatch.setattr(checkpoints.torch, "save", original_save)
+    assert latest_checkpoint(tmp_path / "run").name == "step-2"
+    resumed = _trainer(target, fresh(), tmp_path / "run", max_steps=6, dataset=data, save_every=2, resume=True)
+    assert resumed.train()["steps"] == 6
+    a, b = full.unwrapped_drafter().state_dict(), resumed.unwrapped_drafter().state_dict()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5), key
+    assert latest_checkpoint(tmp_path / "run").name == "step-6"
+
+
 def test_end_to_end_lowers_loss_and_raises_real_tau(counting_target, tmp_path):
     target = counting_target
     drafter = make_drafter(target, block_size=4, layers=2)
