@@ -252,8 +252,8 @@ class _Killer:
         return self.inner(batch)
 
 
-def test_resume_after_kill_matches_uninterrupted_run(counting_target, tmp_path):
-    target = counting_target
+def _uninterrupted_run(target, tmp_path):
+    """(dataset, a factory of identically initialised drafters, the trainer of a finished 6-step run) for resume tests."""
     data = FeatureDataset(_dataset(16))
     init = make_drafter(target).state_dict()
 
@@ -264,6 +264,12 @@ def test_resume_after_kill_matches_uninterrupted_run(counting_target, tmp_path):
 
     full = _trainer(target, fresh(), tmp_path / "full", max_steps=6, dataset=data, save_every=0)
     full.train()
+    return data, fresh, full
+
+
+def test_resume_after_kill_matches_uninterrupted_run(counting_target, tmp_path):
+    target = counting_target
+    data, fresh, full = _uninterrupted_run(target, tmp_path)
     killed_drafter = fresh()
     killed = _trainer(target, killed_drafter, tmp_path / "killed", max_steps=6, dataset=data, save_every=2,
                       feature_fn=_Killer(OnlineFeatures(target, killed_drafter.config.target_layer_ids), 7))
@@ -292,16 +298,7 @@ def test_a_crash_inside_a_checkpoint_save_leaves_the_previous_checkpoint_to_resu
     from hf_retrace.training import checkpoints
 
     target = counting_target
-    data = FeatureDataset(_dataset(16))
-    init = make_drafter(target).state_dict()
-
-    def fresh():
-        d = make_drafter(target)
-        d.load_state_dict(init)
-        return d
-
-    full = _trainer(target, fresh(), tmp_path / "full", max_steps=6, dataset=data, save_every=0)
-    full.train()
+    data, fresh, full = _uninterrupted_run(target, tmp_path)
     original_save = checkpoints.torch.save
 
     def dies_writing_step_4(obj, path, *args, **kwargs):
