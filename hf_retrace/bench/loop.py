@@ -107,9 +107,6 @@ class Bench:
         """Drop the prefill measurements (those of the warm-up are not representative)."""
         self._prefill_cache = {}
 
-    def sampling_kwargs(self, temperature: float) -> dict[str, Any]:
-        return sampling_kwargs(temperature, self.max_new_tokens)
-
 
 def conversation_input_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
     """Input ids of a conversation ending in a user turn, with the generation prompt (thinking off)."""
@@ -129,7 +126,7 @@ def run_prompt(bench: Bench, prompt: BenchPrompt, temperature: float, seed: int,
     Each method keeps its own conversation: turn k's input holds the user turns so far with the method's own previous
     answers between them. On every turn plain runs first: its answer is the T=0 reference for the others.
     """
-    sampling = bench.sampling_kwargs(temperature)
+    sampling = sampling_kwargs(temperature, bench.max_new_tokens)
     conversations: dict[str, list[dict[str, str]]] = {method.name: [] for method in bench.methods}
     results = []
     for turn, user_message in enumerate(prompt.turns):
