@@ -7,8 +7,7 @@
 #
 # Work (tokenized data, features, checkpoints) goes to $HF_RETRACE_RUNS (default ~/.cache/hf_retrace_runs),
 # outside the work tree. Steps: tokenize | features | backbone | export | calibrate | all, continue (the shipped
-# drafter fine-tuned on all training answers: RUN=$HF_RETRACE_RUNS/b8-l1-v8960-c2; then export and calibrate with
-# the same RUN), and retrace (the ReTrace
+# drafter fine-tuned further; then export and calibrate with the same RUN), and retrace (the ReTrace
 # module on the shipped, frozen backbone: docs/retrace/retrace-vs-backbone.md; not part of `all`, it ships off).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -43,14 +42,17 @@ backbone() {
       --eval-every 500 --eval-limit 6 --eval-max-new-tokens 64 --save-every 200 --keep-checkpoints 2 "$@"
 }
 continue_run() {
-  # a second stage: the shipped drafter fine-tuned on the first 3,584 training answers (the `features` step may be
-  # stopped once their shards are on disk; the calibration sequences 4900:4932 stay unseen), 3 more epochs at a lower
-  # peak rate. RUN names the new run.
+  # a further stage: the shipped drafter fine-tuned on the first MAX_SEQUENCES training answers (the `features` step
+  # may be stopped once their shards are on disk; the calibration sequences 4900:4932 always stay unseen) at a lower
+  # peak rate. RUN names the new run. The shipped stages:
+  #   stage 2: RUN=$HF_RETRACE_RUNS/b8-l1-v8960-c2 (defaults: 3,584 answers, 3 epochs, lr 6e-4, seed 1)
+  #   stage 3: RUN=$HF_RETRACE_RUNS/b8-l1-v8960-c3 MAX_SEQUENCES=4900 EPOCHS=2 LR=4e-4 SEED=2
   hf-retrace train --stage backbone --target default --data "$TOK" --features-dir "$FEATS" \
-      --init-from hf_retrace/default_drafter --max-sequences 3584 --holdout 16 --out "$RUN" --resume \
-      --block-size 8 --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 --lr 6e-4 --warmup-ratio 0.02 \
-      --epochs "${EPOCHS:-3}" --num-threads 2 --seed 1 --target-dtype bfloat16 --save-dtype bfloat16 \
-      --eval-every 1000 --eval-limit 6 --eval-max-new-tokens 64 --save-every 200 --keep-checkpoints 2 "$@"
+      --init-from hf_retrace/default_drafter --max-sequences "${MAX_SEQUENCES:-3584}" --holdout 16 --out "$RUN" \
+      --resume --block-size 8 --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 --lr "${LR:-6e-4}" \
+      --warmup-ratio 0.02 --epochs "${EPOCHS:-3}" --num-threads 2 --seed "${SEED:-1}" --target-dtype bfloat16 \
+      --save-dtype bfloat16 --eval-every 1000 --eval-limit 6 --eval-max-new-tokens 64 --save-every 200 \
+      --keep-checkpoints 2 "$@"
 }
 export_run() {
   # a run stopped before its last step: export its latest checkpoint as a from_pretrained folder

@@ -104,6 +104,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.push_to_hub:
             _push_to_hub(out, args.push_to_hub)
             acc.print(f"[hf-retrace] pushed to https://huggingface.co/{args.push_to_hub}")
+    trainer.finish()
     return 0
 
 

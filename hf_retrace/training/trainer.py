@@ -372,6 +372,12 @@ class Trainer:
         acc_all = float(per_slot[0].sum() / per_slot[1].sum().clamp_min(1))
         return float(totals[0]) / acc.num_processes, acc_all, acc_slot
 
+    def finish(self) -> None:
+        """Wait for every process, then tear the process group down: a process that left while another still held
+        a gloo connection aborted (``terminate called without an active exception``)."""
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
+
     def unwrapped_drafter(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model).drafter
 
