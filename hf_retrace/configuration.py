@@ -67,8 +67,9 @@ class ReTraceConfig(PretrainedConfig):
     ``RETRACE_ABLATIONS``); a ``generate`` call reads both once when it starts, so changing them never affects a
     call in flight.
 
-    Round shape (ours): ``draft_confidence_threshold`` cuts a block after the first slot whose top draft probability
-    falls below it (``None``: full blocks; the shipped drafter carries a value calibrated on training prompts).
+    Round shape (ours): ``draft_confidence_threshold`` cuts a block before the first slot after slot 1 whose top draft
+    probability falls below it (``None``: full blocks; the shipped drafter carries a value calibrated on training
+    prompts).
     ``lookup`` adds context lookup as a second source: a round whose newest ``lookup_min_ngram``..``lookup_max_ngram``
     tokens occurred earlier in the context proposes up to ``lookup_num_tokens`` tokens that followed them, and
     skips the drafter forward.

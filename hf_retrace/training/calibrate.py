@@ -35,7 +35,7 @@ GRID = tuple(round(0.05 * i, 2) for i in range(20))
 
 
 @torch.inference_mode()
-def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256, repeats: int = 7) -> list[float]:
+def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256, repeats: int = 9) -> list[float]:
     """``costs[k]``: seconds of a target forward over ``k + 1`` new tokens on a cached context / that of 1 token."""
     device = next(target.parameters()).device
     vocab = target.config.get_text_config().vocab_size
@@ -43,15 +43,16 @@ def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256
     ids = ids.to(device)
     out = target(input_ids=ids[:, :context_length], use_cache=True)
     cache = out.past_key_values
-    seconds = []
-    for k in range(max_drafts + 1):
-        times = []
-        for _ in range(repeats):
+    times: list[list[float]] = [[] for _ in range(max_drafts + 1)]
+    # every repeat times all k in turn: a drift of the machine's speed moves all of them, not their ratios
+    for repeat in range(repeats + 1):  # the first pass warms up and is not counted
+        for k in range(max_drafts + 1):
             started = time.perf_counter()
             target(input_ids=ids[:, context_length : context_length + k + 1], past_key_values=cache, use_cache=True)
-            times.append(time.perf_counter() - started)
+            if repeat:
+                times[k].append(time.perf_counter() - started)
             cache.crop(-(k + 1))  # negative: drop the k + 1 new positions (transformers 4.57 and 5.x)
-        seconds.append(statistics.median(times))
+    seconds = [statistics.median(t) for t in times]
     return [s / seconds[0] for s in seconds]
 
 
@@ -111,4 +112,5 @@ def calibrate_confidence_threshold(target: Any, drafter: Any, prompt_ids: Sequen
     best = max(table, key=lambda row: row["tokens_per_cost"])
     return {"threshold": best["threshold"], "best": best, "full_block": table[0], "table": table,
             "draft_cost_c": draft_cost, "verify_costs": verify_costs, "rounds": len(rounds),
-            "prompts": len(prompt_ids), "plain_seconds_per_token": step}
+            "prompts": len(prompt_ids), "plain_seconds_per_token": step,
+            "recorded_rounds": [[list(confidences), accepted] for confidences, accepted in rounds]}
