@@ -44,9 +44,9 @@ backbone() {
 continue_run() {
   # a further stage: the shipped drafter fine-tuned on the first MAX_SEQUENCES training answers (the `features` step
   # may be stopped once their shards are on disk; the calibration sequences 4900:4932 always stay unseen) at a lower
-  # peak rate. RUN names the new run. The shipped stages:
-  #   stage 2: RUN=$HF_RETRACE_RUNS/b8-l1-v8960-c2 (defaults: 3,584 answers, 3 epochs, lr 6e-4, seed 1)
-  #   stage 3: RUN=$HF_RETRACE_RUNS/b8-l1-v8960-c3 MAX_SEQUENCES=4900 EPOCHS=2 LR=4e-4 SEED=2
+  # peak rate. RUN names the new run. The stages run so far:
+  #   stage 2 (shipped): RUN=$HF_RETRACE_RUNS/b8-l1-v8960-c2 (defaults: 3,584 answers, 3 epochs, lr 6e-4, seed 1)
+  #   stage 3 (not shipped, README): RUN=$HF_RETRACE_RUNS/b8-l1-v8960-c3 MAX_SEQUENCES=4900 EPOCHS=2 LR=4e-4 SEED=2
   hf-retrace train --stage backbone --target default --data "$TOK" --features-dir "$FEATS" \
       --init-from hf_retrace/default_drafter --max-sequences "${MAX_SEQUENCES:-3584}" --holdout 16 --out "$RUN" \
       --resume --block-size 8 --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 --lr "${LR:-6e-4}" \
