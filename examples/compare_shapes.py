@@ -7,7 +7,8 @@ prompts with it: full-block τ, the adaptive block's best threshold, and tokens 
 would give on this machine, its own round cost included). Run it alone on the machine: the budget is wall-clock.
 
     python examples/compare_shapes.py --data ~/.cache/hf_retrace_runs/tok \
-        --features-dir ~/.cache/hf_retrace_runs/feats5 --minutes 8 --runs ~/.cache/hf_retrace_runs/shapes --markdown docs/speed/shape-comparison.md
+        --features-dir ~/.cache/hf_retrace_runs/feats5 --minutes 8 --runs ~/.cache/hf_retrace_runs/shapes \
+        --markdown docs/speed/shape-comparison.md
 
 Every step resumes: a variant whose calibration JSON exists is not run again; a killed run continues (``--resume``).
 """
@@ -19,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hf_retrace.training.calibrate import GRID, replay_threshold
+from hf_retrace.training.calibrate import replay_grid
 
 # name -> the train arguments that make the variant (everything else is shared, below)
 VARIANTS = {
@@ -113,8 +114,7 @@ def shared_cost_replay(results: list[dict]) -> None:
     shared = [statistics.median(t["verify_costs"][k] for t in tables if k < len(t["verify_costs"]))
               for k in range(longest)]
     for result, table in zip(results, tables):
-        rows = [replay_threshold(table["recorded_rounds"], t, table["draft_cost_c"], shared) for t in GRID]
-        best = max(rows, key=lambda row: row["tokens_per_cost"])
+        _, best = replay_grid(table["recorded_rounds"], table["draft_cost_c"], shared)
         result.update(shared_threshold=best["threshold"], shared_tokens_per_cost=best["tokens_per_cost"],
                       shared_verify_costs=shared)
 

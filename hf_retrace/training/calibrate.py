@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["calibrate_confidence_threshold", "measure_verify_costs", "replay_threshold"]
+__all__ = ["calibrate_confidence_threshold", "measure_verify_costs", "replay_grid", "replay_threshold"]
 
 GRID = tuple(round(0.05 * i, 2) for i in range(20))
 
@@ -72,6 +72,13 @@ def replay_threshold(rounds: Sequence[tuple[Sequence[float], int]], threshold: f
             "tokens_per_cost": tokens / cost if cost else 0.0}
 
 
+def replay_grid(rounds: Sequence[tuple[Sequence[float], int]], draft_cost: float, verify_costs: Sequence[float],
+                grid: Sequence[float] = GRID) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Every threshold of ``grid`` replayed over the recorded rounds: the table, and its best tokens-per-cost row."""
+    table = [replay_threshold(rounds, t, draft_cost, verify_costs) for t in grid]
+    return table, max(table, key=lambda row: row["tokens_per_cost"])
+
+
 @torch.inference_mode()
 def calibrate_confidence_threshold(target: Any, drafter: Any, prompt_ids: Sequence[Sequence[int]],
                                    max_new_tokens: int = 96, grid: Sequence[float] = GRID,
@@ -108,8 +115,7 @@ def calibrate_confidence_threshold(target: Any, drafter: Any, prompt_ids: Sequen
     step = plain_seconds / max(plain_tokens, 1)
     draft_cost = draft_seconds / max(num_rounds, 1) / step
     verify_costs = measure_verify_costs(target, drafter.config.block_size - 1)
-    table = [replay_threshold(rounds, t, draft_cost, verify_costs) for t in grid]
-    best = max(table, key=lambda row: row["tokens_per_cost"])
+    table, best = replay_grid(rounds, draft_cost, verify_costs, grid)
     return {"threshold": best["threshold"], "best": best, "full_block": table[0], "table": table,
             "draft_cost_c": draft_cost, "verify_costs": verify_costs, "rounds": len(rounds),
             "prompts": len(prompt_ids), "plain_seconds_per_token": step,
