@@ -64,9 +64,10 @@ calibrate() {
       --limit 24 --max-new-tokens 96 --num-threads 2 --json "$RUNS/calibration.json" --write "$@"
 }
 retrace() {
-  # exact verification signals (one extra target forward per sequence), 16 anchors, float32 target (faster here)
+  # exact verification signals (one extra target forward per sequence), 16 anchors, float32 target (faster here);
+  # first module: the first-stage backbone, out rt-frozen; second: RT_OUT=$HF_RETRACE_RUNS/rt-frozen-c2 (stage 2)
   hf-retrace train --stage retrace --target default --data "$TOK" --init-from hf_retrace/default_drafter \
-      --out "$RUNS/rt-frozen" --resume --verification exact --num-anchors 16 --gamma 4 --batch-size 2 --grad-accum 2 \
+      --out "${RT_OUT:-$RUNS/rt-frozen}" --resume --verification exact --num-anchors 16 --gamma 4 --batch-size 2 --grad-accum 2 \
       --lr 1e-3 --warmup-ratio 0.03 --max-steps 560 --max-sequences 3900 --holdout 16 --num-threads 2 --seed 0 \
       --target-dtype float32 --save-dtype bfloat16 --eval-every 280 --eval-limit 6 --eval-max-new-tokens 64 \
       --save-every 40 --keep-checkpoints 2 "$@"

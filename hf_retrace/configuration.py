@@ -72,7 +72,8 @@ class ReTraceConfig(PretrainedConfig):
     prompts).
     ``lookup`` adds context lookup as a second source: a round whose newest ``lookup_min_ngram``..``lookup_max_ngram``
     tokens occurred earlier in the context proposes up to ``lookup_num_tokens`` tokens that followed them, and
-    skips the drafter forward.
+    skips the drafter forward; its budget starts at ``lookup_start_tokens``, doubles after a fully accepted lookup
+    block and falls back after a rejection (:func:`~hf_retrace.generation.lookup.next_lookup_budget`).
 
     Example::
 
@@ -116,6 +117,7 @@ class ReTraceConfig(PretrainedConfig):
         lookup_min_ngram: int = 2,
         lookup_max_ngram: int = 4,
         lookup_num_tokens: int = 10,
+        lookup_start_tokens: int = 2,
         **kwargs: Any,
     ):
         # z-lab layouts: the DFlash fields may sit in a nested `dflash_config`
@@ -171,6 +173,7 @@ class ReTraceConfig(PretrainedConfig):
         self.lookup_min_ngram = int(lookup_min_ngram)
         self.lookup_max_ngram = int(lookup_max_ngram)
         self.lookup_num_tokens = int(lookup_num_tokens)
+        self.lookup_start_tokens = int(lookup_start_tokens)
         super().__init__(tie_word_embeddings=False, **kwargs)
         # validated when a drafter is built: transformers instantiates a default config to diff against
 
@@ -217,6 +220,11 @@ class ReTraceConfig(PretrainedConfig):
             )
         if self.lookup_num_tokens < 1:
             raise ValueError(f"lookup_num_tokens must be at least 1, got {self.lookup_num_tokens}.")
+        if not 1 <= self.lookup_start_tokens <= self.lookup_num_tokens:
+            raise ValueError(
+                f"lookup_start_tokens (a lookup round's first budget) must be in 1..lookup_num_tokens "
+                f"({self.lookup_num_tokens}), got {self.lookup_start_tokens}."
+            )
         if len(self.layer_types) != self.num_hidden_layers:
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}."

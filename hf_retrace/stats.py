@@ -37,6 +37,7 @@ class GenerationStats:
     slot_confidences: list[list[float]] = field(default_factory=list)
     # per round: (accepted, drafted, fused) for the demo's colouring
     round_log: list[tuple[int, int, bool]] = field(default_factory=list)
+    round_sources: list[str] = field(default_factory=list)  # per round: "drafter" or "lookup"
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -93,6 +94,7 @@ class GenerationStats:
         self.draft_lengths.append(drafted)
         self.rounds_with_fused_suffix += int(fused)
         self.round_log.append((accepted, drafted, fused))
+        self.round_sources.append(source)
         grow = drafted - len(self.drafted_at_position)
         if grow > 0:
             self.drafted_at_position += [0] * grow

@@ -1,13 +1,21 @@
-"""The adaptive block's calibration: the replay is the generator's own cut rule, and a real calibration run records
-what the replay needs, on a tiny random pair."""
+"""The round shape's calibration: the replay is the generator's own cut rule, and a real calibration run records what
+the replays need (full-block rounds, the target's answers for the lookup budget), on a tiny random pair."""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
 
 from helpers import tiny_drafter, tiny_target
-from hf_retrace.training.calibrate import calibrate_confidence_threshold, measure_verify_costs, replay_threshold
+from hf_retrace.training.calibrate import (
+    LOOKUP_GRID,
+    best_row,
+    calibrate_confidence_threshold,
+    measure_verify_costs,
+    replay_threshold,
+)
 
 # two recorded rounds: (top draft probability per slot, drafts the target accepted)
 ROUNDS = [([0.9, 0.8, 0.3, 0.9], 2), ([0.5, 0.2, 0.1, 0.1], 0)]
@@ -54,17 +62,35 @@ def test_calibration_records_rounds_costs_and_picks_the_best_replayed_threshold(
     assert (drafter.config.draft_confidence_threshold, drafter.config.lookup) == (0.4, True)
     assert result["prompts"] == 2 and result["rounds"] == len(result["recorded_rounds"]) > 0
     assert max(len(confidences) for confidences, _ in result["recorded_rounds"]) == 5, "full blocks recorded"
-    assert len(result["verify_costs"]) == 6 and result["verify_costs"][0] == 1.0
-    assert result["best"] == max(result["table"], key=lambda row: row["tokens_per_cost"])
+    assert len(result["verify_costs"]) == 17 and result["verify_costs"][0] == 1.0  # up to the longest lookup cap
+    assert result["best"] == best_row(result["table"])
     assert result["threshold"] == result["best"]["threshold"] and result["full_block"]["threshold"] == 0.0
     replayed = replay_threshold(result["recorded_rounds"], result["threshold"], result["draft_cost_c"],
                                 result["verify_costs"])
     assert replayed == pytest.approx(result["best"])
+    # the lookup budget: every (start, cap) of the grid walked over the target's own answers at the best threshold
+    lookup = result["lookup"]
+    assert [(r["start_tokens"], r["num_tokens"]) for r in lookup["table"]] == list(LOOKUP_GRID)
+    assert lookup["best"] == best_row(lookup["table"])
+    assert (lookup["start_tokens"], lookup["num_tokens"]) == (lookup["best"]["start_tokens"], lookup["best"]["num_tokens"])
+    assert lookup["drafter_alone"]["lookup_share"] == 0 and lookup["best"]["rounds"] > 0
+    # every walk commits each answer token after the prefill's once, whichever source drafted it
+    assert lookup["drafter_alone"]["tokens"] == lookup["best"]["tokens"] == 2 * (16 - 1)
     with pytest.raises(ValueError, match="at least one prompt"):
         calibrate_confidence_threshold(target, drafter, [], progress=False)
 
 
 def test_verify_costs_are_relative_to_a_one_token_forward():
     target = tiny_target(dtype=torch.float32)
-    costs = measure_verify_costs(target, max_drafts=3, context_length=16, repeats=2)
+    with warnings.catch_warnings():  # the cache goes in under the name this transformers takes (5.24: `cache`)
+        warnings.filterwarnings("error", message=".*past_key_values.*")
+        costs = measure_verify_costs(target, max_drafts=3, context_length=16, repeats=2)
     assert len(costs) == 4 and costs[0] == 1.0 and all(c > 0 for c in costs)
+
+
+def test_best_row_takes_the_higher_tau_among_ties():
+    table = [{"tokens_per_cost": 1.000, "tau": 1.7}, {"tokens_per_cost": 0.997, "tau": 1.9},
+             {"tokens_per_cost": 0.990, "tau": 2.5}]
+    assert best_row(table) == table[1]  # 0.3 % below the top: a tie, and more tokens per round
+    assert best_row(table, tie=0.0) == table[0]
+    assert best_row(table, tie=0.02) == table[2]

@@ -223,3 +223,26 @@ def test_config_without_mask_or_layers_is_refused():
         ReTraceDrafter(ReTraceConfig(target_layer_ids=[1], mask_token_id=None, num_hidden_layers=1))
     with pytest.raises(ValueError, match="target_layer_ids"):
         ReTraceDrafter(ReTraceConfig(mask_token_id=3, target_layer_ids=None, num_hidden_layers=1))
+
+
+@pytest.mark.parametrize("stage, trained", [("backbone", False), ("retrace", True)])
+def test_export_of_a_stopped_run_keeps_its_weights_and_the_module_state(tmp_path, stage, trained):
+    """A run stopped before its end exports from its latest checkpoint; a ReTrace-stage run's module comes out
+    trained (on by default), although the run recorded its config before training it."""
+    from hf_retrace.training.checkpoints import DRAFTER_INIT, RUN_SETTINGS, export_checkpoint
+
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, retrace="random", dtype=torch.float32)
+    drafter.config.retrace_trained = False
+    run, step = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step-3"
+    step.mkdir(parents=True)
+    (run / DRAFTER_INIT).write_text(json.dumps({"init": "test", "config": json.loads(drafter.config.to_json_string())}))
+    (run / RUN_SETTINGS).write_text(json.dumps({"stage": stage}))
+    weights = {f"drafter.{k}": v.contiguous() for k, v in drafter.state_dict().items()}
+    save_file(weights, str(step / "model.safetensors"))
+    (step / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    out = export_checkpoint(run, tmp_path / "export", dtype="float32")
+    loaded = ReTraceDrafter.from_pretrained(out)
+    assert loaded.config.retrace_state == ("trained" if trained else "untrained")
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -39,6 +39,7 @@ def _case(index: int) -> dict:
         lookup=rng.random() < 0.3,
         lookup_min_ngram=rng.choice([1, 2]),
         lookup_num_tokens=rng.choice([1, 4, 12]),
+        lookup_start_tokens=rng.choice([1, 2, 3]),  # (above a cap of 1: the first budget is clamped to it)
     )
 
 
@@ -67,6 +68,7 @@ def test_greedy_output_equals_plain_greedy(index, use_policy):
     drafter.config.draft_confidence_threshold = case["confidence_threshold"]
     drafter.config.lookup = case["lookup"]
     drafter.config.lookup_min_ngram, drafter.config.lookup_num_tokens = case["lookup_min_ngram"], case["lookup_num_tokens"]
+    drafter.config.lookup_start_tokens = case["lookup_start_tokens"]
     if case["policy"] != "drafter":
         use_policy(ProposalPolicy(reference, case["policy"], target.config.vocab_size, seed=case["seed"]))
     out = target.generate(prompt, assistant_model=drafter, **kwargs)

@@ -10,7 +10,7 @@ from helpers import ProposalPolicy, tiny_drafter, tiny_target
 from torch.profiler import ProfilerActivity, profile
 
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
-from hf_retrace.generation.lookup import ContextLookup
+from hf_retrace.generation.lookup import ContextLookup, first_lookup_budget, next_lookup_budget
 
 
 def _brute_force(tokens: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> tuple[int, list[int]]:
@@ -49,6 +49,32 @@ def test_lookup_repeats_a_loop_shorter_than_its_budget():
     assert lookup.propose(7, 2) == (4, [3, 1, 2, 3, 1, 2, 3])
 
 
+def test_lookup_budget_doubles_on_a_full_accept_and_falls_back_on_a_rejection():
+    assert next_lookup_budget(drafted=2, accepted=2, start=1, cap=6) == 4
+    assert next_lookup_budget(drafted=4, accepted=4, start=1, cap=6) == 6  # capped
+    assert next_lookup_budget(drafted=6, accepted=3, start=1, cap=6) == 4  # accepted + 1
+    assert next_lookup_budget(drafted=6, accepted=0, start=2, cap=6) == 2  # never below the start
+    assert first_lookup_budget(start=2, cap=1) == 1 and first_lookup_budget(start=1, cap=4) == 1
+
+
+def test_lookup_rounds_follow_the_budget_rule():
+    """A real generate's lookup rounds draft exactly what next_lookup_budget allowed after the previous one."""
+    target = tiny_target(seed=5, logit_scale=4.0)
+    drafter = tiny_drafter(target, block_size=4, seed=6)
+    drafter.config.lookup, drafter.config.lookup_min_ngram = True, 1
+    drafter.config.lookup_start_tokens, drafter.config.lookup_num_tokens = 1, 5
+    prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
+    target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
+    stats = drafter.last_stats
+    rounds = [(source, k, a - 1) for source, k, a in zip(stats.round_sources, stats.draft_lengths, stats.acceptance_lengths)]
+    lookups = [r for r in rounds if r[0] == "lookup"]
+    assert len(lookups) >= 3 and any(k > 1 for _, k, _ in lookups)  # the budget grew at least once
+    budget = 1
+    for _, k, accepted in lookups:
+        assert k <= budget  # (less only where the output's end cut it)
+        budget = next_lookup_budget(k, accepted, 1, 5)
+
+
 def test_bad_round_settings_fail_when_the_drafter_is_built():
     target = tiny_target()
     drafter = tiny_drafter(target)
@@ -57,6 +83,8 @@ def test_bad_round_settings_fail_when_the_drafter_is_built():
         ("draft_confidence_threshold", 1.5, "in [0, 1)"),
         ("lookup_min_ngram", 0, "lookup_min_ngram"),
         ("lookup_num_tokens", 0, "lookup_num_tokens"),
+        ("lookup_start_tokens", 0, "lookup_start_tokens"),
+        ("lookup_start_tokens", 99, "in 1..lookup_num_tokens"),
     ]:
         saved = getattr(config, field)
         setattr(config, field, value)

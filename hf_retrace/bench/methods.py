@@ -46,6 +46,8 @@ ALL_METHODS: dict[str, Method] = {
         Method("retrace", "drafter", use_retrace=True, description="our drafter, ReTrace on"),
         Method("dflash-full-block", "drafter", full_block=True,
                description="our drafter, ReTrace off, adaptive block cut off (every round drafts the whole block)"),
+        Method("retrace-full-block", "drafter", use_retrace=True, full_block=True,
+               description="our drafter, ReTrace on, full blocks (where rejected suffixes are kept in most rounds)"),
         Method("dflash+lookup", "drafter", lookup=True,
                description="the hybrid: context lookup where the newest tokens occurred before, else the drafter"),
         Method("retrace+lookup", "drafter", use_retrace=True, lookup=True, description="the hybrid with ReTrace on"),

@@ -21,11 +21,10 @@ from transformers.generation.logits_process import (
 
 from ..retrace import PendingSuffix
 from ..stats import GenerationStats, last_stats_slot
-from .lookup import ContextLookup
+from .lookup import ContextLookup, first_lookup_budget, next_lookup_budget
 from .target_features import TargetTap
 
 PROPOSAL_MODES = ("argmax", "sample")
-LOOKUP_START_TOKENS = 2  # a lookup round's first budget; doubled after each fully accepted lookup block
 # warpers that never change which token has the largest logit: argmax proposals can skip them
 _ARGMAX_PRESERVING = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
@@ -96,9 +95,8 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.confidence_threshold = config.draft_confidence_threshold
         self.lookup = ContextLookup(config.lookup_max_ngram) if config.lookup else None
         self.lookup_min_ngram, self.lookup_num_tokens = config.lookup_min_ngram, config.lookup_num_tokens
-        # lookup's budget grows while its blocks are fully accepted (a loop) and falls back after a rejection:
-        # on CPUs where each verified token costs a fraction of a step, long unconfirmed lookups do not pay
-        self.lookup_budget = min(LOOKUP_START_TOKENS, self.lookup_num_tokens)
+        self.lookup_start_tokens = config.lookup_start_tokens
+        self.lookup_budget = first_lookup_budget(self.lookup_start_tokens, self.lookup_num_tokens)
         self.draft_round: DraftRound | None = None
         self.rejected_suffix: PendingSuffix | None = None  # completed by the next call's verification window
         self.kept_pending: list[tuple[int, int]] = []  # (position, rejected token) awaiting the committed token
@@ -184,8 +182,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.stats.record_round(k, accepted, draft.fused, source="lookup" if draft.from_lookup else "drafter")
         self._score_kept_tokens(input_ids)
         if draft.from_lookup:
-            full = accepted >= k
-            self.lookup_budget = min(2 * k if full else max(LOOKUP_START_TOKENS, accepted + 1), self.lookup_num_tokens)
+            self.lookup_budget = next_lookup_budget(k, accepted, self.lookup_start_tokens, self.lookup_num_tokens)
             return  # ReTrace keeps the drafter's own trajectories only
         if accepted + 1 >= k:  # nothing beyond the first rejection (or all accepted): nothing to keep
             return

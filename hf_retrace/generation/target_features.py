@@ -45,6 +45,18 @@ def loop_selects_hidden_state_indices() -> bool:
     return version.parse(transformers.__version__).release >= (5, 23)
 
 
+def cache_kwargs(model: nn.Module, cache: Any) -> dict[str, Any]:
+    """``{name: cache}`` for a direct call of ``model``: ``cache`` where its ``forward`` takes it (transformers 5.24
+    renamed ``past_key_values``, which warns there and goes in 5.40), ``past_key_values`` otherwise (4.57)."""
+    return {_cache_argument(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_argument(model_class: type) -> str:
+    parameters = inspect.signature(_unwrapped(model_class.forward)).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
     layers = getattr(decoder, "layers", None)

@@ -151,9 +151,10 @@ def add_features_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    """``hf-retrace calibrate``: the adaptive block's threshold."""
+    """``hf-retrace calibrate``: the adaptive block's threshold and the hybrid's lookup budget."""
     p.add_argument("--target", required=True, help='Hub id, folder or "default"')
-    p.add_argument("--drafter", required=True, help="drafter folder (its config.json gets the threshold with --write)")
+    p.add_argument("--drafter", required=True,
+                   help="drafter folder (its config.json gets the threshold and lookup budget with --write)")
     p.add_argument("--data", default=None, help="tokenized folder; prompts are the sequences in --sequences")
     p.add_argument("--sequences", default=None, metavar="A:B",
                    help="indices of --data sequences never trained on (e.g. 4900:4932)")
@@ -163,4 +164,5 @@ def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
     p.add_argument("--num-threads", type=int, default=None)
     p.add_argument("--json", default=None, help="write the full table here")
-    p.add_argument("--write", action="store_true", help="store the best threshold in the drafter's config.json")
+    p.add_argument("--write", action="store_true",
+                   help="store the best threshold and lookup budget in the drafter's config.json")

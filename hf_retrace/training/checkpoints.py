@@ -34,6 +34,7 @@ CHECKPOINT_MODEL = "model.safetensors"
 CHECKPOINT_OPTIMIZER = "optimizer.pt"  # tensors and numbers only: loaded with weights_only=True
 TRAINER_STATE = "trainer_state.json"
 DRAFTER_INIT = "drafter_init.json"  # the run's drafter config: what export_checkpoint builds the weights into
+RUN_SETTINGS = "run_settings.json"  # the run's settings (stage, data, schedule): what --resume must find unchanged
 
 
 def _fsync_folder(folder: Path) -> None:
@@ -144,6 +145,9 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
     state = {k.removeprefix("drafter."): v for k, v in load_file(str(checkpoint / CHECKPOINT_MODEL)).items()}
     if any(k.startswith("retrace.") for k in state):
         config.retrace = True
+    settings = run_dir / RUN_SETTINGS
+    if settings.is_file() and json.loads(settings.read_text()).get("stage") == "retrace":
+        config.retrace_trained = True  # the run trained the module: on by default, as in the run's own final save
     drafter = ReTraceDrafter(config)
     drafter.load_state_dict(state, strict=True)
     save_in_dtype(drafter, out_dir, dtype)

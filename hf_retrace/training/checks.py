@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import CHECKPOINTS, DRAFTER_INIT
+from .checkpoints import CHECKPOINTS, DRAFTER_INIT, RUN_SETTINGS
 from .data import validate_prompt_file
 from .trainer import LOG_FILE
 
@@ -36,7 +36,6 @@ __all__ = [
 ]
 
 HELD_OUT_ENV_VAR = "HF_RETRACE_HELD_OUT_DIRS"  # os.pathsep-separated folders of benchmark prompts
-RUN_SETTINGS = "run_settings.json"
 RUN_MARKERS = (DRAFTER_INIT, LOG_FILE, RUN_SETTINGS, CHECKPOINTS)  # a run's own files
 # the drafter fields that make a checkpoint's weights fit (or not)
 _SHAPE_FIELDS = ("block_size", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",

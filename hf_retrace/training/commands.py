@@ -57,7 +57,9 @@ def register(subparsers: Any) -> None:
         add_arguments(step)
         step.set_defaults(func=cmd_data)
 
-    cal = subparsers.add_parser("calibrate", help="calibrate a drafter's adaptive block on held-out training prompts")
+    cal = subparsers.add_parser(
+        "calibrate", help="calibrate a drafter's round shape (adaptive block, lookup budget) on held-out training prompts"
+    )
     add_calibrate_arguments(cal)
     cal.set_defaults(func=cmd_calibrate)
 
@@ -138,14 +140,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     best, full = result["best"], result["full_block"]
     print(f"[hf-retrace] best threshold {best['threshold']:.2f}: {best['tokens_per_cost']:.3f} tokens per step-cost "
           f"vs {full['tokens_per_cost']:.3f} with full blocks ({result['rounds']} rounds, {result['prompts']} prompts)")
+    lookup = result["lookup"]
+    print("| lookup start | lookup cap | tau | lookup rounds | tokens per step-cost |\n|---|---|---|---|---|")
+    for row in lookup["table"]:
+        print(f"| {row['start_tokens']} | {row['num_tokens']} | {row['tau']:.2f} | {row['lookup_share']:.2f} "
+              f"| {row['tokens_per_cost']:.3f} |")
+    print(f"[hf-retrace] best lookup budget: start {lookup['start_tokens']}, cap {lookup['num_tokens']}: "
+          f"{lookup['best']['tokens_per_cost']:.3f} tokens per step-cost vs "
+          f"{lookup['drafter_alone']['tokens_per_cost']:.3f} for the drafter alone (the target's answers replayed)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.write:
         path = Path(args.drafter) / "config.json"
         config = json.loads(path.read_text())
-        config["draft_confidence_threshold"] = best["threshold"]
-        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        print(f"[hf-retrace] wrote draft_confidence_threshold={best['threshold']} into {path}")
+        written = {"draft_confidence_threshold": best["threshold"], "lookup_start_tokens": lookup["start_tokens"],
+                   "lookup_num_tokens": lookup["num_tokens"]}
+        path.write_text(json.dumps(config | written, indent=2, sort_keys=True) + "\n")
+        print(f"[hf-retrace] wrote {', '.join(f'{k}={v}' for k, v in written.items())} into {path}")
     return 0
 
 

@@ -205,6 +205,22 @@ class DFlashObjective(nn.Module):
         mask = build_block_attention_mask(anchors, anchor_valid, context_length, block_size)
         return embeds, position_ids, mask
 
+    @torch.no_grad()
+    def backbone_drafts(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
+                        anchor_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The backbone alone (no fusion) drafts a full block at every anchor, teacher-forced on ``input_ids``:
+        ``[b, N, B-1]`` drafts (target token ids), ``[b, N, B-1, H]`` their states, ``[b, N, B-1]`` top probabilities."""
+        drafter = self.drafter
+        b, t = input_ids.shape
+        embeds, position_ids, mask = self.block_inputs(input_ids, anchors, anchor_valid, t)
+        hidden = drafter(target_hidden=features, noise_embedding=embeds, position_ids=position_ids, attention_mask=mask)
+        hidden = hidden.reshape(b, anchors.shape[1], self.block_size, -1)[:, :, 1:]
+        weight, bias = self._lm_head_weight(hidden.dtype, hidden.device)
+        top_probs, drafts = F.linear(hidden, weight, bias).float().softmax(-1).max(-1)  # indices into scored rows
+        if drafter.draft_vocab is not None:
+            drafts = drafter.draft_vocab[drafts]
+        return drafts, hidden, top_probs
+
     def labels(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
         anchors: torch.Tensor, anchor_valid: torch.Tensor,

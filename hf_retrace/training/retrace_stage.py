@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from ..generation.target_features import cache_kwargs
 from ..retrace import AlignedSuffix, RejectedSuffix
 from .objective import DEFAULT_GAMMA, DFlashObjective, sample_anchors
 
@@ -54,13 +54,13 @@ class ReTraceObjective(DFlashObjective):
             from transformers import DynamicCache
 
             cache = DynamicCache()
-            out = decoder(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True,
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(decoder, cache), use_cache=True,
                           output_hidden_states=True)
         else:
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
         anchors, anchor_valid = sample_anchors(loss_mask, lengths, self.num_anchors, batch.get("anchor_generator"))
-        drafts, hidden = self._backbone_drafts(input_ids, features, anchors, anchor_valid)
+        drafts, hidden, _ = self.backbone_drafts(input_ids, features, anchors, anchor_valid)
         # the target's verdict at slots 1..B-1: its own token/probability for position s+j, and its states at row j
         if self.verification == "exact":
             logits, verify_features = self._exact_verdict(input_ids, anchors, drafts, cache)
@@ -76,20 +76,6 @@ class ReTraceObjective(DFlashObjective):
             drafter_hidden=hidden, target_tokens=target_t, target_probs=target_p,
             target_features=drafter.project_context(verify_features), lengths=lengths,
         )
-
-    def _backbone_drafts(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                         anchor_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pass 1: the backbone alone (no fusion) drafts at every anchor; ``[b, N, B-1]`` drafts and their states."""
-        drafter = self.drafter
-        b, t = input_ids.shape
-        embeds, position_ids, mask = self.block_inputs(input_ids, anchors, anchor_valid, t)
-        hidden = drafter(target_hidden=features, noise_embedding=embeds, position_ids=position_ids, attention_mask=mask)
-        hidden = hidden.reshape(b, anchors.shape[1], self.block_size, -1)[:, :, 1:]
-        weight, bias = self._lm_head_weight(hidden.dtype, hidden.device)
-        drafts = F.linear(hidden, weight, bias).argmax(-1)  # [b, N, B-1] indices into the scored rows
-        if drafter.draft_vocab is not None:
-            drafts = drafter.draft_vocab[drafts]
-        return drafts, hidden
 
     def _exact_verdict(self, input_ids: torch.Tensor, anchors: torch.Tensor, drafts: torch.Tensor,
                        cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +94,7 @@ class ReTraceObjective(DFlashObjective):
         inner = (own[:, None] == own[None, :]) & causal
         verify_mask = torch.cat([prefix, inner[None].expand(b, -1, -1)], dim=-1)[:, None]
         verified = target(input_ids=verify_ids.reshape(b, -1), position_ids=verify_pos.reshape(b, -1),
-                          attention_mask=verify_mask, past_key_values=cache, use_cache=True,
+                          attention_mask=verify_mask, **cache_kwargs(target, cache), use_cache=True,
                           output_hidden_states=True)
         logits = verified.logits.reshape(b, n_blocks, block, -1)[:, :, :-1]  # row j-1 -> position s+j
         layer_ids = self.drafter.config.target_layer_ids
