@@ -31,13 +31,16 @@ class GenerationStats:
     rounds_with_fused_suffix: int = 0
     kept_tokens: int = 0
     kept_tokens_committed: int = 0
-    # rounds whose block came from context lookup instead of the drafter (hybrid mode; 0 otherwise)
-    lookup_rounds: int = 0
     # per drafter round, the drafter's top probability at each drafted slot (recorded when the adaptive block is on)
     slot_confidences: list[list[float]] = field(default_factory=list)
     # per round: (accepted, drafted, fused) for the demo's colouring
     round_log: list[tuple[int, int, bool]] = field(default_factory=list)
-    round_sources: list[str] = field(default_factory=list)  # per round: "drafter" or "lookup"
+    round_sources: list[str] = field(default_factory=list)  # per round: "drafter" or "lookup" (hybrid mode)
+
+    @property
+    def lookup_rounds(self) -> int:
+        """Rounds whose block came from context lookup instead of the drafter (0 unless the hybrid is on)."""
+        return self.round_sources.count("lookup")
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -89,7 +92,6 @@ class GenerationStats:
 
     def record_round(self, drafted: int, accepted: int, fused: bool, source: str = "drafter") -> None:
         self.rounds += 1
-        self.lookup_rounds += int(source == "lookup")
         self.acceptance_lengths.append(accepted + 1)
         self.draft_lengths.append(drafted)
         self.rounds_with_fused_suffix += int(fused)

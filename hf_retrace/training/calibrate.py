@@ -31,11 +31,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 
 from ..generation.target_features import cache_kwargs
 
 __all__ = ["best_row", "calibrate_confidence_threshold", "confident_prefix", "measure_verify_costs", "replay_grid",
-           "replay_lookup_grid", "replay_threshold"]
+           "replay_lookup_grid", "replay_threshold", "verify_cost"]
 
 GRID = tuple(round(0.05 * i, 2) for i in range(20))
 TIE = 0.005  # rows within 0.5 % of the best tokens per step-cost are a tie: below what two calibrations agree on
@@ -49,8 +50,6 @@ def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256
     vocab = target.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, context_length + max_drafts + 1), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    from transformers import DynamicCache
-
     cache = DynamicCache()
     target(input_ids=ids[:, :context_length], **cache_kwargs(target, cache), use_cache=True)
     times: list[list[float]] = [[] for _ in range(max_drafts + 1)]
@@ -78,6 +77,15 @@ def confident_prefix(confidences: Sequence[float], threshold: float | None) -> i
     return k
 
 
+def verify_cost(verify_costs: Sequence[float], k: int) -> float:
+    """``verify_costs[k]``, extended past its end along its last step (a lookup round may propose more than a block,
+    a drafter may be compared under another drafter's shorter cost vector)."""
+    last = len(verify_costs) - 1
+    if k <= last or last == 0:
+        return verify_costs[min(k, last)]
+    return verify_costs[last] + (verify_costs[last] - verify_costs[last - 1]) * (k - last)
+
+
 def replay_threshold(rounds: Sequence[tuple[Sequence[float], int]], threshold: float, draft_cost: float,
                      verify_costs: Sequence[float]) -> dict[str, float]:
     """Tokens per plain-step cost if ``threshold`` had cut the recorded ``(slot confidences, accepted)`` rounds."""
@@ -85,7 +93,7 @@ def replay_threshold(rounds: Sequence[tuple[Sequence[float], int]], threshold: f
     for confidences, accepted in rounds:
         k = confident_prefix(confidences, threshold)
         tokens += min(accepted, k) + 1
-        cost += draft_cost + verify_costs[min(k, len(verify_costs) - 1)]
+        cost += draft_cost + verify_cost(verify_costs, k)
         drafted += k
     n = max(len(rounds), 1)
     return {"threshold": threshold, "tau": tokens / n, "mean_drafted": drafted / n,

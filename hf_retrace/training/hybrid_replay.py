@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ..generation.lookup import ContextLookup, first_lookup_budget, next_lookup_budget
-from .calibrate import confident_prefix
+from .calibrate import confident_prefix, verify_cost
 from .features import collate_sequences, tapped_hidden_states
 from .objective import DFlashObjective
 
@@ -68,14 +68,6 @@ def record_answers(target: Any, drafter: Any, sequences: Iterable[dict[str, torc
             confidences += top[0].tolist()
         records.append(AnswerRecord(ids[0].tolist(), start, drafts, confidences))
     return records
-
-
-def _verify_cost(verify_costs: Sequence[float], k: int) -> float:
-    """``verify_costs[k]``, extended past its end along its last step (lookup may propose more than a block)."""
-    last = len(verify_costs) - 1
-    if k <= last:
-        return verify_costs[k]
-    return verify_costs[last] + (verify_costs[last] - verify_costs[last - 1]) * (k - last)
 
 
 def _accepted(proposal: Sequence[int], tokens: Sequence[int], anchor: int) -> int:
@@ -121,7 +113,7 @@ def replay_hybrid(records: Sequence[AnswerRecord], *, threshold: float | None, m
                 budget = next_lookup_budget(k, accepted, start_tokens, num_tokens)
                 lookup_rounds += 1
             tokens += accepted + 1
-            cost += (lookup_cost if source == "lookup" else draft_cost) + _verify_cost(verify_costs, k)
+            cost += (lookup_cost if source == "lookup" else draft_cost) + verify_cost(verify_costs, k)
             rounds += 1
             if keep_rounds:
                 log.append((source, k, accepted))
