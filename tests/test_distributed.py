@@ -63,8 +63,17 @@ def _train(root: Path, out: Path, processes: int, *extra: str) -> None:
               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
               "--main_process_port", str(_free_port()), "-m", "hf_retrace.cli", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"accelerate launch failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    if Path("/sys/class/net/lo").exists():
+        # gloo binds to the address the host name resolves to unless told otherwise; on a sandbox whose host name
+        # points at an unreachable interface the two processes never connect (a silent hang): keep them on loopback
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    log = out.parent / f"{out.name}-launch-{processes}.log"
+    with log.open("w") as sink:
+        try:
+            done = subprocess.run(launch, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True, timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"accelerate launch ({processes} processes) ran past 300 s; its output:\n{log.read_text()[-6000:]}")
+    assert done.returncode == 0, f"accelerate launch failed:\n{log.read_text()[-6000:]}"
 
 
 def _log(out: Path) -> list[dict]:
