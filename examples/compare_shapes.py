@@ -30,6 +30,8 @@ VARIANTS = {
     "1 layer, block 8, target's last layer copied": ["--num-layers", "1", "--block-size", "8",
                                                      "--copy-target-layers"],
     "1 layer, block 8, full vocabulary": ["--num-layers", "1", "--block-size", "8", "--draft-vocab-size", "0"],
+    # after the shared arguments, so this --num-anchors replaces the recipe's 48
+    "1 layer, block 8, 96 anchors": ["--num-layers", "1", "--block-size", "8", "--num-anchors", "96"],
 }
 PROBE_STEPS = 12
 

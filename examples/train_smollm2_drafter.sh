@@ -66,7 +66,7 @@ calibrate() {
 retrace() {
   # exact verification signals (one extra target forward per sequence), 16 anchors, float32 target (faster here);
   # first module: the first-stage backbone, out rt-frozen; second: RT_OUT=$HF_RETRACE_RUNS/rt-frozen-c2 (stage 2,
-  # stopped at step 400 for the benchmark; --resume continues it, export_checkpoint exports a stopped run)
+  # stopped at step 400 for a benchmark, then resumed to 560 by the same command; export_checkpoint exports a stopped run)
   hf-retrace train --stage retrace --target default --data "$TOK" --init-from hf_retrace/default_drafter \
       --out "${RT_OUT:-$RUNS/rt-frozen}" --resume --verification exact --num-anchors 16 --gamma 4 --batch-size 2 --grad-accum 2 \
       --lr 1e-3 --warmup-ratio 0.03 --max-steps 560 --max-sequences 3900 --holdout 16 --num-threads 2 --seed 0 \
