@@ -72,7 +72,8 @@ def _train(root: Path, out: Path, processes: int, *extra: str) -> None:
         try:
             done = subprocess.run(launch, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True, timeout=300)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"accelerate launch ({processes} processes) ran past 300 s; its output:\n{log.read_text()[-6000:]}")
+            pytest.fail(f"accelerate launch ({processes} processes) ran past 300 s; its output:\n"
+                        f"{log.read_text()[-6000:]}")
     assert done.returncode == 0, f"accelerate launch failed:\n{log.read_text()[-6000:]}"
 
 

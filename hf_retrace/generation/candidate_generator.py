@@ -6,6 +6,7 @@ transformers' assisted loop owns verification and the lossless acceptance rule; 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,17 @@ from .target_features import TargetTap
 PROPOSAL_MODES = ("argmax", "sample")
 # warpers that never change which token has the largest logit: argmax proposals can skip them
 _ARGMAX_PRESERVING = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
+
+
+def confident_prefix(confidences: Sequence[float], threshold: float | None) -> int:
+    """How many slots a round drafts (the adaptive block): slot 1 always, then each next slot while its top
+    probability stays at or above ``threshold`` (``None``: the whole block). The calibration replays this rule."""
+    if threshold is None:
+        return len(confidences)
+    k = 1
+    while k < len(confidences) and confidences[k] >= threshold:
+        k += 1
+    return k
 
 
 @dataclass
@@ -238,12 +250,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
             tops += logits[0].softmax(-1).amax(-1).tolist()
             done += logits.shape[1]
             size *= 2
-            unsure = [i for i in range(1, len(tops)) if tops[i] < self.confidence_threshold]  # slot 1 always drafted
-            if unsure:
-                keep = unsure[0]
+            keep = confident_prefix(tops, self.confidence_threshold)
+            if keep < len(tops):  # an unconfident slot among those scored: the rest of the head is not needed
                 break
-        else:
-            keep = total
         self.stats.slot_confidences.append(tops[:keep])
         return torch.cat(chunks, dim=1)[:, :keep]
 

@@ -33,10 +33,11 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ..generation.candidate_generator import confident_prefix
 from ..generation.target_features import cache_kwargs
 
-__all__ = ["best_row", "calibrate_confidence_threshold", "confident_prefix", "measure_verify_costs", "replay_grid",
-           "replay_lookup_grid", "replay_threshold", "verify_cost"]
+__all__ = ["best_row", "calibrate_confidence_threshold", "measure_verify_costs", "replay_grid", "replay_lookup_grid",
+           "replay_threshold", "verify_cost"]
 
 GRID = tuple(round(0.05 * i, 2) for i in range(20))
 TIE = 0.005  # rows within 0.5 % of the best tokens per step-cost are a tie: below what two calibrations agree on
@@ -64,17 +65,6 @@ def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256
             cache.crop(-(k + 1))  # negative: drop the k + 1 new positions (transformers 4.57 and 5.x)
     seconds = [statistics.median(t) for t in times]
     return [s / seconds[0] for s in seconds]
-
-
-def confident_prefix(confidences: Sequence[float], threshold: float | None) -> int:
-    """How many slots a round drafts: slot 1 always, then each next slot while its top probability stays at or above
-    ``threshold`` (``None``: the whole block); the generator's ``_confident_logits`` cuts the same way."""
-    if threshold is None:
-        return len(confidences)
-    k = 1
-    while k < len(confidences) and confidences[k] >= threshold:
-        k += 1
-    return k
 
 
 def verify_cost(verify_costs: Sequence[float], k: int) -> float:

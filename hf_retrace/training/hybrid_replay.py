@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
+from ..generation.candidate_generator import confident_prefix
 from ..generation.lookup import ContextLookup, first_lookup_budget, next_lookup_budget
-from .calibrate import confident_prefix, verify_cost
+from .calibrate import verify_cost
 from .features import collate_sequences, tapped_hidden_states
 from .objective import DFlashObjective
 

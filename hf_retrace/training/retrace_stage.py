@@ -54,8 +54,8 @@ class ReTraceObjective(DFlashObjective):
             from transformers import DynamicCache
 
             cache = DynamicCache()
-            out = decoder(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(decoder, cache), use_cache=True,
-                          output_hidden_states=True)
+            out = decoder(input_ids=input_ids, attention_mask=attention_mask, **cache_kwargs(decoder, cache),
+                          use_cache=True, output_hidden_states=True)
         else:
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
