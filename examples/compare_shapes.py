@@ -32,6 +32,12 @@ VARIANTS = {
     "1 layer, block 8, full vocabulary": ["--num-layers", "1", "--block-size", "8", "--draft-vocab-size", "0"],
     # after the shared arguments, so this --num-anchors replaces the recipe's 48
     "1 layer, block 8, 96 anchors": ["--num-layers", "1", "--block-size", "8", "--num-anchors", "96"],
+    # the denser objective, against the same shape on the same answers: the target's top-16 distribution
+    # (hf-retrace data topk, --topk-dir) covers the first 768 answers only, so both train on those
+    "1 layer, block 8, 768 answers": ["--num-layers", "1", "--block-size", "8", "--max-sequences", "768"],
+    "1 layer, block 8, 768 answers, top-k distillation 0.5": ["--num-layers", "1", "--block-size", "8",
+                                                               "--max-sequences", "768", "--distill-weight", "0.5",
+                                                               "--topk-dir", "{topk_dir}"],
 }
 PROBE_STEPS = 12
 
@@ -86,11 +92,14 @@ def seconds_per_step(args: argparse.Namespace, name: str, variant: list[str], ru
 
 
 def run_variant(args: argparse.Namespace, name: str, variant: list[str]) -> dict:
-    run = Path(args.runs) / name.replace(", ", "-").replace(" ", "_").replace("'", "")
+    run = Path(args.runs) / name.replace(", ", "-").replace(" ", "_").replace("'", "").replace(",", "")
     calibration = run / "calibration.json"
-    variant = draft_vocab_args(variant, args.draft_vocab_size)
-    per_step = seconds_per_step(args, name, variant, run)
-    steps = max(1, int(args.minutes * 60 / per_step))
+    variant = [a.format(topk_dir=args.topk_dir) for a in draft_vocab_args(variant, args.draft_vocab_size)]
+    if args.steps:  # equal steps: the seconds per step are the run's own
+        steps = args.steps
+    else:
+        per_step = seconds_per_step(args, name, variant, run)
+        steps = max(1, int(args.minutes * 60 / per_step))
     if not calibration.is_file():
         if not (run / "training_summary.json").is_file():
             hf_retrace("train", *shared_train_args(args), *variant, "--out", str(run), "--max-steps", str(steps),
@@ -100,6 +109,8 @@ def run_variant(args: argparse.Namespace, name: str, variant: list[str]) -> dict
                    "--max-new-tokens", "96", "--num-threads", str(args.threads), "--json", str(calibration))
     rows = train_log(run)
     table = json.loads(calibration.read_text())
+    if args.steps:
+        per_step = rows[-1]["seconds"] / rows[-1]["step"]
     return {"variant": name, "args": " ".join(variant), "seconds_per_step": per_step, "steps": rows[-1]["step"],
             "tokens_seen": rows[-1]["tokens"], "minutes": rows[-1]["seconds"] / 60,
             "tau_full_block": table["full_block"]["tau"], "threshold": table["best"]["threshold"],
@@ -122,11 +133,14 @@ def shared_cost_replay(results: list[dict]) -> None:
 
 
 def markdown(results: list[dict], args: argparse.Namespace) -> str:
+    budget = (f"for {args.steps} optimizer steps each (equal steps; `s/step` and `minutes` are each run's own)"
+              if args.steps else
+              f"for a budget of {args.minutes:g} minutes of wall-clock (steps = budget / the seconds per step of a "
+              f"{PROBE_STEPS}-step probe; `minutes` is the training time measured; 2 threads, alone on the machine)")
     lines = [
-        "# Drafter shapes at equal training time (SmolLM2-135M-Instruct, this CPU)", "",
-        f"Each variant trained from scratch for a budget of {args.minutes:g} minutes of wall-clock (steps = budget / "
-        f"the seconds per step of a {PROBE_STEPS}-step probe; `minutes` is the training time measured; 2 threads, "
-        f"alone on the machine) on the same precomputed features of the first {args.max_sequences} training answers, "
+        "# Drafter variants at an equal training budget (SmolLM2-135M-Instruct, this CPU)", "",
+        f"Each variant trained from scratch {budget} on the same precomputed features of the first "
+        f"{args.max_sequences} training answers (or fewer where the variant says), "
         f"then replayed on calibration sequences {args.calibration_sequences} (limit {args.calibration_limit}, never "
         "trained on) by `hf-retrace calibrate`. τ = accepted drafts + 1 per round; tokens per step-cost = committed "
         "tokens per (verify + draft) cost in plain target steps, at the best adaptive threshold; c = draft seconds "
@@ -159,6 +173,10 @@ def main() -> None:
     parser.add_argument("--runs", required=True, help="where the variants' runs go (outside the work tree)")
     parser.add_argument("--target", default="default")
     parser.add_argument("--minutes", type=float, default=8.0, help="wall-clock training budget per variant")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="train every variant for this many steps instead (variants whose steps cost the same)")
+    parser.add_argument("--topk-dir", default=None,
+                        help="the target's top-k distributions (hf-retrace data topk), for the distillation variant")
     parser.add_argument("--max-sequences", type=int, default=4900)
     parser.add_argument("--draft-vocab-size", type=int, default=8960)
     parser.add_argument("--calibration-sequences", default="4900:4932")
@@ -168,6 +186,10 @@ def main() -> None:
     parser.add_argument("--markdown", default=None, help="write the table here")
     args = parser.parse_args()
     names = args.only or list(VARIANTS)
+    needs_topk = [n for n in names if any("{topk_dir}" in a for a in VARIANTS[n])]
+    if needs_topk and not args.topk_dir:
+        parser.error(f"{', '.join(needs_topk)} need --topk-dir (hf-retrace data topk --limit 768); or leave them out "
+                     "with --only")
     results = []
     for name in names:
         results.append(run_variant(args, name, VARIANTS[name]))

@@ -4,6 +4,10 @@ this module by name)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, StoppingCriteria
 
@@ -164,3 +168,39 @@ class ProposalPolicy:
             cut = int(torch.randint(0, num_drafts + 1, (1,), generator=self.generator))
             tokens = torch.cat([tokens[:cut], wrong[cut:]])
         return tokens[None]
+
+
+class ListDataset(torch.utils.data.Dataset):
+    """The TokenizedDataset interface on in-memory sequences (prompt = first ``prompt_len`` tokens, loss_mask 0)."""
+
+    def __init__(self, sequences: list[torch.Tensor], prompt_len: int = 4):
+        self.items = [
+            {"input_ids": s.long(), "loss_mask": torch.arange(len(s)) >= prompt_len} for s in sequences
+        ]
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return dict(self.items[i])
+
+    def sequence_lengths(self):
+        return np.array([len(it["input_ids"]) for it in self.items])
+
+
+def tiny_training_folder(root: Path, num_answers: int, response_words: int, vocab_size: int = 96) -> Path:
+    """``root`` with a tiny saved float32 target and its tokenizer (``target/``) and ``num_answers`` tokenized random
+    answers of ``response_words`` one-token words each (``tok/``), made by ``hf-retrace data tokenize``."""
+    from hf_retrace.cli import main
+
+    tiny_target(family="llama", vocab_size=vocab_size, dtype=torch.float32, logit_scale=4.0).save_pretrained(
+        root / "target")
+    word_level_tokenizer(vocab_size).save_pretrained(root / "target")
+    gen = np.random.default_rng(0)
+    words = [w for w in word_level_tokenizer(vocab_size).get_vocab() if w.isalpha()]  # one token each, none unknown
+    records = [{"id": f"r{i}", "prompt": " ".join(gen.choice(words, 4)),
+                "response": " ".join(gen.choice(words, response_words)), "finish": "stop"} for i in range(num_answers)]
+    (root / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["data", "tokenize", "--target", str(root / "target"), "--responses", str(root / "answers.jsonl"),
+                 "--out", str(root / "tok"), "--max-length", "64"]) == 0
+    return root

@@ -19,7 +19,7 @@ from hf_retrace.bench import loop, runner
 from hf_retrace.bench.divergence import find_divergence
 from hf_retrace.bench.methods import ALL_METHODS
 from hf_retrace.bench.native import build_native_assistant, convert_state_dict
-from hf_retrace.bench.plan import BenchSpec, plan_benchmark
+from hf_retrace.bench.plan import BenchInputError, BenchSpec, plan_benchmark
 from hf_retrace.bench.records import BenchRow
 from hf_retrace.bench.report import markdown_report, write_markdown, write_plots
 
@@ -231,6 +231,19 @@ def test_a_separately_trained_ablation_drafter_replaces_the_main_one(assets):
                                     drafters={"default": assets["drafter"], "no_gate": assets["no_gate_drafter"]}))
     assert plan.drafter_paths == {"retrace": assets["drafter"], "retrace-no_gate": assets["no_gate_drafter"],
                                   "retrace-no_correction": assets["drafter"]}
+
+
+def test_an_ablation_drafter_serves_its_full_block_method_too(assets):
+    plan = plan_benchmark(BenchSpec(datasets=["gsm8k"], methods=["retrace-full-block", "retrace-no_gate-full-block"],
+                                    limit=1, target=assets["target"],
+                                    drafters={"default": assets["drafter"], "no_gate": assets["no_gate_drafter"]}))
+    assert plan.drafter_paths == {"retrace-full-block": assets["drafter"],
+                                  "retrace-no_gate-full-block": assets["no_gate_drafter"]}
+    assert {m.name: (m.ablation, m.full_block) for m in plan.methods if m.kind == "drafter"} == {
+        "retrace-full-block": ("full", True), "retrace-no_gate-full-block": ("no_gate", True)}
+    with pytest.raises(BenchInputError, match="no method in --methods uses it; add retrace-no_gate"):
+        plan_benchmark(BenchSpec(datasets=["gsm8k"], methods=["retrace-no_correction-full-block"], limit=1,
+                                 target=assets["target"], drafters={"no_gate": assets["no_gate_drafter"]}))
 
 
 @pytest.mark.parametrize("learned_mask", [False, True])

@@ -16,10 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_target, word_level_tokenizer
+from helpers import tiny_training_folder
 from safetensors.torch import load_file
 
-from hf_retrace.cli import main
 
 VOCAB = 96
 STEPS = 6
@@ -29,19 +28,8 @@ TOLERANCE = 1e-4  # relative, on every logged loss; absolute on every weight (fl
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A tiny saved target with its tokenizer, and 16 tokenized training sequences of one length each."""
-    root = tmp_path_factory.mktemp("ddp")
-    target = tiny_target(family="llama", vocab_size=VOCAB, dtype=torch.float32, logit_scale=4.0)
-    target.save_pretrained(root / "target")
-    word_level_tokenizer(VOCAB).save_pretrained(root / "target")
-    gen = np.random.default_rng(0)
-    words = [w for w in word_level_tokenizer(VOCAB).get_vocab() if w.isalpha()]  # one token each, none unknown
     # equal lengths and loss masks, different words: each process really sees other sequences
-    records = [{"id": f"r{i}", "prompt": " ".join(gen.choice(words, 4)), "response": " ".join(gen.choice(words, 12)),
-                "finish": "stop"} for i in range(16)]
-    (root / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert main(["data", "tokenize", "--target", str(root / "target"), "--responses", str(root / "answers.jsonl"),
-                 "--out", str(root / "tok"), "--max-length", "64"]) == 0
-    return root
+    return tiny_training_folder(tmp_path_factory.mktemp("ddp"), num_answers=16, response_words=12, vocab_size=VOCAB)
 
 
 def _free_port() -> int:

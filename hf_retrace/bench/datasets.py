@@ -16,7 +16,6 @@ records carry that set's field. Any other JSONL uses, per record, the first fiel
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path

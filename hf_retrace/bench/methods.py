@@ -33,6 +33,11 @@ class Method:
     def needs_drafter(self) -> bool:
         return self.kind in ("native", "drafter")
 
+    @property
+    def drafter_names(self) -> tuple[str, ...]:
+        """The ``--drafter NAME=PATH`` names this method reads, first match wins: its own name, then its ablation's."""
+        return (self.name, self.ablation) if self.use_retrace and self.ablation != "full" else (self.name,)
+
 
 ALL_METHODS: dict[str, Method] = {
     m.name: m
@@ -53,6 +58,13 @@ ALL_METHODS: dict[str, Method] = {
         Method("retrace+lookup", "drafter", use_retrace=True, lookup=True, description="the hybrid with ReTrace on"),
         *[
             Method(f"retrace-{a}", "drafter", use_retrace=True, ablation=a, description=f"ReTrace ablation {a}")
+            for a in RETRACE_ABLATIONS
+            if a != "full"
+        ],
+        # the ablations where the module has material: full blocks keep a rejected suffix in almost every round
+        *[
+            Method(f"retrace-{a}-full-block", "drafter", use_retrace=True, ablation=a, full_block=True,
+                   description=f"ReTrace ablation {a}, full blocks")
             for a in RETRACE_ABLATIONS
             if a != "full"
         ],

@@ -115,8 +115,7 @@ def _resolve_drafters(requested: list[Method], drafter_keys: dict[str, str], tar
     for method in requested:
         if not method.needs_drafter:
             continue
-        key = next((k for k in (method.name, method.ablation if method.use_retrace else None) if k in drafter_keys),
-                   MAIN_DRAFTER)
+        key = next((k for k in method.drafter_names if k in drafter_keys), MAIN_DRAFTER)
         path = drafter_keys.get(key) or _default_drafter(method)
         config = _drafter_config(path)
         _check_drafter_fits_target(config, path, target_config, target_path)
@@ -145,7 +144,7 @@ def _checked_drafter_names(drafters: dict[str, str], method_names: list[str]) ->
                 f"--drafter {key}=...: unknown drafter name {key!r}; use PATH for the main drafter or NAME=PATH with "
                 f"NAME one of {', '.join(sorted(OWN_DRAFTER_NAMES))}"
             )
-        methods = [n for n in method_names if n in (key, f"retrace-{key}")] if key != MAIN_DRAFTER else ["*"]
+        methods = [n for n in method_names if key in ALL_METHODS[n].drafter_names] if key != MAIN_DRAFTER else ["*"]
         if not methods:
             raise BenchInputError(f"--drafter {key}=... is given but no method in --methods uses it; "
                                   f"add {key if key in ALL_METHODS else 'retrace-' + key} to --methods")

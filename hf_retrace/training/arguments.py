@@ -1,4 +1,4 @@
-"""The flags of ``hf-retrace train``, ``hf-retrace data {generate,tokenize,features}`` and ``hf-retrace calibrate``.
+"""The flags of ``hf-retrace train``, ``hf-retrace data {generate,tokenize,features,topk}`` and ``hf-retrace calibrate``.
 
 Parsing only: ``checks.py`` validates the values, ``commands.py`` wires the parsers to their commands.
 
@@ -71,6 +71,11 @@ def _add_objective_arguments(p: argparse.ArgumentParser) -> None:
                    help="--stage retrace: train an ablated fusion module (retrace.md section 8)")
     p.add_argument("--joint", action="store_true",
                    help="--stage retrace: also fine-tune the backbone (use a small --lr); default: backbone frozen")
+    p.add_argument("--distill-weight", type=float, default=0.0,
+                   help="--stage backbone: weight in [0, 1] of the cross-entropy against the target's top-k "
+                        "distribution (needs --topk-dir); the rest stays on the target's own token")
+    p.add_argument("--topk-dir", default=None,
+                   help="the target's top-k next-token distributions from `hf-retrace data topk` (same --data)")
     p.add_argument("--num-anchors", type=int, default=32)
     p.add_argument("--gamma", type=float, default=DEFAULT_GAMMA,
                    help="position decay exp(-(k-1)/gamma); <=0: uniform")
@@ -148,6 +153,19 @@ def add_features_arguments(p: argparse.ArgumentParser) -> None:
                    help="the target's dtype for the forward (float32 is ~2.5x faster on CPUs without bf16 units)")
     p.add_argument("--storage-dtype", type=dtype_arg, choices=SHORT_DTYPES, default=None,
                    help="dtype on disk (default: --dtype; bfloat16 halves the disk of a float32 forward)")
+
+
+def add_topk_arguments(p: argparse.ArgumentParser) -> None:
+    """``hf-retrace data topk``: precompute the target's top-k next-token distributions (for --distill-weight)."""
+    p.add_argument("--target", required=True)
+    p.add_argument("--data", required=True, help="tokenized folder")
+    p.add_argument("--out", required=True, help="a folder of its own (not the --features-dir)")
+    p.add_argument("--k", type=int, default=16, help="tokens kept per position (ids + log-probabilities, 8 B each)")
+    p.add_argument("--max-batch-tokens", type=int, default=4096,
+                   help="padded tokens per forward (the logits take 4 B x vocabulary each)")
+    p.add_argument("--limit", type=int, default=None, help="the first N sequences only")
+    p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16",
+                   help="the target's dtype for the forward (float32 is ~2.5x faster on CPUs without bf16 units)")
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from .checkpoints import CHECKPOINTS, DRAFTER_INIT, RUN_SETTINGS
 from .data import validate_prompt_file
+from .precomputed_features import covered_sequences, features_manifest, store_kind
 from .trainer import LOG_FILE
 
 __all__ = [
@@ -101,6 +102,8 @@ def run_settings(args: argparse.Namespace, drafter_config: Any, num_processes: i
         "max_grad_norm": args.max_grad_norm, "epochs": args.epochs, "max_steps": args.max_steps,
         "bf16": args.bf16, "target_dtype": args.target_dtype,
         "drafter": {name: getattr(drafter_config, name, None) for name in _SHAPE_FIELDS},
+        # only when used, so that runs recorded before the flag existed still resume
+        **({"distill_weight": args.distill_weight} if args.distill_weight else {}),
     }
 
 
@@ -142,6 +145,7 @@ def validate_train_args(args: argparse.Namespace) -> dict[str, Any]:
             print("[hf-retrace] note: evaluating tau on held-out benchmark prompts (fine for eval, never for "
                   "training).", file=sys.stderr)
     _check_features_dir(args.features_dir, manifest)
+    _check_distillation(args, manifest)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise usage_error(f"--out {out} is a file.")
@@ -205,12 +209,46 @@ def _check_drafter_flags(args: argparse.Namespace) -> None:
 def _check_features_dir(features_dir: str | None, manifest: dict[str, Any]) -> None:
     if not features_dir:
         return
-    fm = Path(features_dir) / "features.json"
-    if fm.is_file():
-        existing = json.loads(fm.read_text())
-        if existing.get("dataset", {}).get("num_tokens") != manifest.get("num_tokens"):
-            raise usage_error(f"--features-dir {features_dir} was computed for another dataset "
-                              f"({existing.get('dataset')}); use a new folder.")
+    existing = features_manifest(features_dir)
+    if existing is not None:
+        _check_store(existing, "--features-dir", features_dir, "hidden", manifest)
+
+
+def _check_store(store: dict[str, Any], flag: str, folder: str, kind: str, manifest: dict[str, Any]) -> None:
+    """A precomputed store of the expected kind, made for the same tokenized data."""
+    if store_kind(store) != kind:
+        made_by = "hf-retrace data topk" if store_kind(store) == "topk" else "hf-retrace data features"
+        wanted = "hf-retrace data topk" if kind == "topk" else "hf-retrace data features"
+        raise usage_error(f"{flag} {folder} holds what `{made_by}` writes; {flag} takes a folder of `{wanted}`.")
+    if store.get("dataset", {}).get("num_tokens") != manifest.get("num_tokens"):
+        raise usage_error(f"{flag} {folder} was computed for another dataset ({store.get('dataset')}); use a new "
+                          "folder.")
+
+
+def _check_distillation(args: argparse.Namespace, manifest: dict[str, Any]) -> None:
+    """``--distill-weight`` in [0, 1]; above 0 it needs a complete enough ``--topk-dir`` for the backbone stage."""
+    if not 0.0 <= args.distill_weight <= 1.0:
+        raise usage_error(f"--distill-weight must be in [0, 1] (0: the target's own token only), got {args.distill_weight}.")
+    if not args.distill_weight:
+        if args.topk_dir:
+            raise usage_error("--topk-dir is read only with --distill-weight > 0; add one (e.g. 0.5) or drop it.")
+        return
+    if args.stage != "backbone":
+        raise usage_error("--distill-weight trains the backbone (--stage backbone); the ReTrace stage does not use it.")
+    if not args.topk_dir:
+        raise usage_error("--distill-weight needs the target's top-k distributions: run `hf-retrace data topk --target "
+                          f"{args.target} --data {args.data} --out TOPK_DIR` and pass --topk-dir TOPK_DIR.")
+    store = features_manifest(args.topk_dir)
+    if store is None:
+        raise usage_error(f"--topk-dir {args.topk_dir}: no features.json; make it with `hf-retrace data topk`.")
+    _check_store(store, "--topk-dir", args.topk_dir, "topk", manifest)
+    total = int(manifest.get("num_sequences", 0))
+    needed = min(args.max_sequences or total, total) - args.holdout
+    covered = store["num_sequences"] if store.get("complete") else covered_sequences(store)
+    if covered < needed:
+        raise usage_error(f"--topk-dir {args.topk_dir} covers the first {covered} sequences but training reads the "
+                          f"first {needed}: run `hf-retrace data topk` with --limit {needed} or more (it resumes), or "
+                          f"train on fewer (--max-sequences {covered + args.holdout}).")
 
 
 def _check_out_folder(args: argparse.Namespace, out: Path) -> None:

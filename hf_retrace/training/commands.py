@@ -1,4 +1,4 @@
-"""``hf-retrace train``, ``hf-retrace data {generate,tokenize,features}`` and ``hf-retrace calibrate``.
+"""``hf-retrace train``, ``hf-retrace data {generate,tokenize,features,topk}`` and ``hf-retrace calibrate``.
 
 The flags live in ``arguments.py``, the checks in ``checks.py`` (every check that can fail on user input runs before
 any model is loaded, so a typo costs seconds, not hours), the training run in ``train_command.py``.
@@ -27,6 +27,7 @@ from .arguments import (
     add_features_arguments,
     add_generate_arguments,
     add_tokenize_arguments,
+    add_topk_arguments,
     add_train_arguments,
     build_train_parser,
 )
@@ -34,7 +35,7 @@ from .calibrate import calibrate_confidence_threshold
 from .checks import check_calibration_args, check_prompt_file, parse_ids, require_tokenized, usage_error
 from .data import TokenizedDataset, generate_responses, prompt_token_ids, read_prompts, tokenize_responses
 from .evaluation import sequence_prompt_ids
-from .precomputed_features import precompute_features
+from .precomputed_features import precompute_features, precompute_topk
 from .train_command import cmd_train
 
 __all__ = ["register", "cmd_train", "cmd_data", "build_train_parser"]
@@ -52,6 +53,8 @@ def register(subparsers: Any) -> None:
         ("generate", "let the target answer prompts (resumable JSONL shards)", add_generate_arguments),
         ("tokenize", "responses -> input_ids + loss_mask shards (manifest.json)", add_tokenize_arguments),
         ("features", "precompute the target's tapped hidden states (resumable)", add_features_arguments),
+        ("topk", "precompute the target's top-k next-token distributions (resumable; train --topk-dir)",
+         add_topk_arguments),
     ):
         step = dsub.add_parser(name, help=help_text)
         add_arguments(step)
@@ -70,7 +73,7 @@ def register(subparsers: Any) -> None:
 
 
 def cmd_data(args: argparse.Namespace) -> int:
-    commands = {"generate": _generate, "tokenize": _tokenize, "features": _precompute}
+    commands = {"generate": _generate, "tokenize": _tokenize, "features": _precompute, "topk": _precompute_topk}
     if args.data_command not in commands:
         raise usage_error(f"unknown data command {args.data_command!r}")
     return commands[args.data_command](args)
@@ -116,6 +119,23 @@ def _precompute(args: argparse.Namespace) -> int:
     manifest = precompute_features(target, TokenizedDataset(args.data), args.out, layers,
                                    max_batch_tokens=args.max_batch_tokens, limit=args.limit, storage_dtype=storage)
     print(f"[hf-retrace] features of {manifest['num_sequences']} sequences (layers {layers}) in {args.out}")
+    return 0
+
+
+def _precompute_topk(args: argparse.Namespace) -> int:
+    require_tokenized(args.data)
+    if args.k < 1 or args.max_batch_tokens < 1:
+        raise usage_error(f"--k and --max-batch-tokens must be at least 1, got {args.k} and {args.max_batch_tokens}.")
+    target, _ = load_target(args.target, args.dtype, frozen=True)
+    vocab = target.config.get_text_config().vocab_size
+    if args.k > vocab:
+        raise usage_error(f"--k {args.k} is larger than the target's vocabulary ({vocab} tokens).")
+    try:
+        manifest = precompute_topk(target, TokenizedDataset(args.data), args.out, args.k,
+                                   max_batch_tokens=args.max_batch_tokens, limit=args.limit)
+    except ValueError as exc:  # another store or other settings in --out: nothing was overwritten
+        raise usage_error(f"--out {args.out}: {exc}") from None
+    print(f"[hf-retrace] top-{args.k} distributions of {manifest['num_sequences']} sequences in {args.out}")
     return 0
 
 

@@ -79,30 +79,34 @@ def collate_sequences(items: Sequence[dict[str, torch.Tensor]], pad_token_id: in
         loss_mask[row, :length] = item["loss_mask"].bool()
         attention_mask[row, :length] = 1
     batch = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
-    if "target_hidden" in items[0]:
-        first = items[0]["target_hidden"]
-        hidden = first.new_zeros((b, t, first.shape[-1]))
-        for row, (item, length) in enumerate(zip(items, lengths)):
-            hidden[row, :length] = item["target_hidden"]
-        batch["target_hidden"] = hidden
+    for key in ("target_hidden", "target_topk"):  # per-position rows, zero-padded
+        if key in items[0]:
+            first = items[0][key]
+            padded = first.new_zeros((b, t, first.shape[-1]))
+            for row, (item, length) in enumerate(zip(items, lengths)):
+                padded[row, :length] = item[key]
+            batch[key] = padded
     if "index" in items[0]:
         batch["index"] = torch.tensor([int(item["index"]) for item in items])
     return batch
 
 
 class FeatureDataset(torch.utils.data.Dataset):
-    """Items ``{input_ids, loss_mask, index[, target_hidden]}`` of a tokenized dataset, features joined if given."""
+    """Items ``{input_ids, loss_mask, index[, target_hidden][, target_topk]}`` of a tokenized dataset, with the
+    precomputed features and the target's top-k distributions (``topk``, a ``kind="topk"`` store) joined if given."""
 
-    def __init__(self, sequences: Any, features: PrecomputedFeatures | None = None, indices: Sequence[int] | None = None):
+    def __init__(self, sequences: Any, features: PrecomputedFeatures | None = None, indices: Sequence[int] | None = None,
+                 topk: PrecomputedFeatures | None = None):
         self.sequences = sequences
         self.features = features
+        self.topk = topk
         self.indices = list(range(len(sequences))) if indices is None else list(indices)
-        if features is not None:
-            needed = max(self.indices) + 1 if self.indices else 0
-            if len(features) < needed:
+        needed = max(self.indices) + 1 if self.indices else 0
+        for store, what in ((features, "features"), (topk, "top-k distributions")):
+            if store is not None and len(store) < needed:
                 raise ValueError(
-                    f"The features cover {len(features)} sequences but training reads the first {needed}; "
-                    "precompute the features for them (no --limit), or train on fewer (--max-sequences)."
+                    f"The {what} cover {len(store)} sequences but training reads the first {needed}; "
+                    f"precompute the {what} for them (no --limit), or train on fewer (--max-sequences)."
                 )
 
     def __len__(self) -> int:
@@ -115,9 +119,11 @@ class FeatureDataset(torch.utils.data.Dataset):
         index = self.indices[i]
         item = dict(self.sequences[index])
         item["index"] = index
-        if self.features is not None:
-            hidden = self.features[index]
-            if hidden.shape[0] != item["input_ids"].shape[0]:
-                raise ValueError(f"sequence {index}: {item['input_ids'].shape[0]} tokens but {hidden.shape[0]} feature rows.")
-            item["target_hidden"] = hidden
+        for store, key in ((self.features, "target_hidden"), (self.topk, "target_topk")):
+            if store is not None:
+                rows = store[index]
+                if rows.shape[0] != item["input_ids"].shape[0]:
+                    raise ValueError(f"sequence {index}: {item['input_ids'].shape[0]} tokens but {rows.shape[0]} "
+                                     f"rows in {store.directory}.")
+                item[key] = rows
         return item

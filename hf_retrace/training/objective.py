@@ -140,11 +140,15 @@ class DFlashObjective(nn.Module):
         lm_head: nn.Module,
         num_anchors: int = 32,
         gamma: float | None = DEFAULT_GAMMA,
+        distill_weight: float = 0.0,
     ):
         super().__init__()
+        if not 0.0 <= distill_weight <= 1.0:
+            raise ValueError(f"distill_weight must be in [0, 1], got {distill_weight}.")
         self.drafter = drafter
         self.num_anchors = int(num_anchors)
         self.gamma = gamma
+        self.distill_weight = float(distill_weight)
         for module in (input_embeddings, lm_head):
             for p in module.parameters():
                 p.requires_grad_(False)
@@ -237,6 +241,30 @@ class DFlashObjective(nn.Module):
         valid = inside & supervised & anchor_valid[:, :, None]
         return labels, valid
 
+    def topk_cross_entropy(self, batch: dict[str, Any], anchors: torch.Tensor, valid: torch.Tensor,
+                           logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Per valid slot, the cross-entropy of the drafter against the target's top-k next-token distribution
+        (``batch["target_topk"]``, :func:`~hf_retrace.training.precomputed_features.precompute_topk`), restricted
+        to the draft vocabulary and renormalised there; 0 for a slot none of whose top-k tokens the drafter can draft.
+
+        The token at ``anchor + k`` is predicted by the target at position ``anchor + k - 1``: its row is read there.
+        """
+        topk = batch.get("target_topk")
+        if topk is None:
+            raise ValueError("distill_weight > 0 needs the target's top-k distributions in the batch (target_topk): "
+                             "precompute them with `hf-retrace data topk` and pass --topk-dir.")
+        b, t, width = topk.shape
+        k = width // 2
+        rows = (anchors[:, :, None] + torch.arange(self.block_size - 1, device=anchors.device)).clamp(max=t - 1)
+        dist = torch.gather(topk, 1, rows.reshape(b, -1, 1).expand(-1, -1, width).to(topk.device))
+        dist = dist.reshape(*rows.shape, width)[valid].to(logits.device)  # [R, 2k]
+        index, in_vocab = self.draft_index(dist[:, :k].long())
+        log_p = dist[:, k:].float().masked_fill(~in_vocab, float("-inf"))
+        has_any = in_vocab.any(dim=-1, keepdim=True)
+        p = torch.where(has_any, log_p.softmax(dim=-1), torch.zeros_like(log_p)).nan_to_num(0.0)
+        log_q = torch.gather(logits, 1, index) - lse[:, None]
+        return -(p * log_q).sum(dim=-1)
+
     def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
         input_ids = batch["input_ids"]
         loss_mask = batch["loss_mask"]
@@ -270,7 +298,11 @@ class DFlashObjective(nn.Module):
         rows = hidden[valid]  # only valid slots go through the (large) lm_head
         weight, bias = self._lm_head_weight(rows.dtype, rows.device)
         logits = F.linear(rows, weight, bias).float()
-        ce = label_cross_entropy(logits, rows, weight, bias, labels[valid])
+        lse = torch.logsumexp(logits, dim=-1)
+        ce = label_cross_entropy(lse, rows, weight, bias, labels[valid])
+        if self.distill_weight:
+            soft = self.topk_cross_entropy(batch, anchors, valid, logits, lse)
+            ce = (1.0 - self.distill_weight) * ce + self.distill_weight * soft
         slot_index = torch.arange(block_size - 1, device=hidden.device).expand_as(valid)[valid]
         w = weights[slot_index]
         denom = w.sum()
@@ -298,9 +330,10 @@ class DFlashObjective(nn.Module):
         return loss, metrics
 
 
-def label_cross_entropy(logits: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def label_cross_entropy(lse: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         labels: torch.Tensor) -> torch.Tensor:
-    """Per-row cross-entropy ``logsumexp(logits) - logit[label]``, the label's logit taken from its head row.
+    """Per-row cross-entropy ``lse - logit[label]`` (``lse = logsumexp(logits)``), the label's logit taken from its
+    head row.
 
     Equal to ``F.cross_entropy(logits, labels, reduction="none")``, without its backward's ``[rows, vocab]`` zero fill
     and scatter (about a tenth of a CPU training step at a 9k-token draft vocabulary).
@@ -308,7 +341,7 @@ def label_cross_entropy(logits: torch.Tensor, rows: torch.Tensor, weight: torch.
     label_logit = (rows * weight[labels]).sum(-1)
     if bias is not None:
         label_logit = label_logit + bias[labels]
-    return torch.logsumexp(logits, dim=-1) - label_logit.to(logits.dtype)
+    return lse - label_logit.to(lse.dtype)
 
 
 def tau_proxy(acc_slot: torch.Tensor) -> float:

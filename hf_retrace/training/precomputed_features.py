@@ -5,10 +5,16 @@ row-major arrays (``features-00000.bin`` ..., ``[tokens, n*H]`` in the target's 
 ``features.json`` (layer ids, dtype, per-shard sequence ranges and offsets). It resumes after the last complete
 shard. :class:`PrecomputedFeatures` memory-maps them, for :class:`~hf_retrace.training.features.FeatureDataset`.
 
+The same store holds, in a folder of its own, the target's top-k next-token distribution at every position
+(:func:`precompute_topk`: ``[tokens, 2k]`` float32, the k token ids then their log-probabilities), read by
+:class:`PrecomputedFeatures` too, for the distillation term of the objective (``hf-retrace train --topk-dir``).
+
 Example::
 
     precompute_features(target, TokenizedDataset("work_data/tok"), "work_data/feats", [1, 8, 14, 20, 27])
-    dataset = FeatureDataset(TokenizedDataset("work_data/tok"), PrecomputedFeatures("work_data/feats"))
+    precompute_topk(target, TokenizedDataset("work_data/tok"), "work_data/topk16", k=16)
+    dataset = FeatureDataset(TokenizedDataset("work_data/tok"), PrecomputedFeatures("work_data/feats"),
+                             topk=PrecomputedFeatures("work_data/topk16", kind="topk"))
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ __all__ = [
     "covered_sequences",
     "features_manifest",
     "precompute_features",
+    "precompute_topk",
+    "store_kind",
+    "target_topk",
 ]
 
 FEATURES_MANIFEST = "features.json"
@@ -61,7 +70,7 @@ def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
 
 
 def _feature_settings(target: nn.Module, dataset: Any, target_layer_ids: Sequence[int], storage_dtype: torch.dtype,
-                      shard_sequences: int, total: int) -> dict[str, Any]:
+                      shard_sequences: int, total: int, topk: int = 0) -> dict[str, Any]:
     """What ``features.json`` records about how the features were made (a resume must match them)."""
     name = _dtype_name(storage_dtype)
     if name not in _STORAGE:
@@ -69,9 +78,11 @@ def _feature_settings(target: nn.Module, dataset: Any, target_layer_ids: Sequenc
     hidden = target.config.get_text_config().hidden_size
     return {
         "target": str(getattr(target.config, "_name_or_path", "")),
+        "kind": "topk" if topk else "hidden",
+        **({"k": topk} if topk else {}),
         "target_layer_ids": list(target_layer_ids),
         "hidden_size": hidden,
-        "feature_size": hidden * len(target_layer_ids),
+        "feature_size": 2 * topk if topk else hidden * len(target_layer_ids),
         "dtype": name,
         "shard_sequences": shard_sequences,
         "dataset": {**_dataset_fingerprint(dataset), "directory": str(getattr(dataset, "directory", ""))},
@@ -87,13 +98,15 @@ def _resumed_manifest(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]
     if not (out_dir / FEATURES_MANIFEST).exists():
         return manifest
     existing = json.loads((out_dir / FEATURES_MANIFEST).read_text(encoding="utf-8"))
-    keys = ("target_layer_ids", "hidden_size", "dtype", "shard_sequences", "num_sequences")
+    keys = ("target_layer_ids", "hidden_size", "feature_size", "dtype", "shard_sequences", "num_sequences")
     changed = [k for k in keys if existing.get(k) != settings[k]]
+    if store_kind(existing) != settings["kind"]:
+        changed.append("kind")
     if existing.get("dataset", {}).get("num_tokens") != settings["dataset"]["num_tokens"]:
         changed.append("dataset")
     if changed:
         raise ValueError(
-            f"{out_dir} holds features made with other settings ({changed} differ). Use a new --features-dir, "
+            f"{out_dir} holds data made with other settings ({changed} differ). Use a new folder, "
             "or delete this one."
         )
     if existing.get("complete"):
@@ -113,21 +126,20 @@ def _length_batches(shard_lengths: np.ndarray, max_batch_tokens: int) -> Iterato
         yield rows
 
 
-def _write_feature_shard(target: nn.Module, dataset: Any, target_layer_ids: Sequence[int], storage_dtype: torch.dtype,
-                         path: Path, start: int, shard_lengths: np.ndarray, max_batch_tokens: int,
-                         report: Callable[[int], None]) -> np.ndarray:
-    """Write the tapped states of sequences ``start ..`` to ``path`` (through a temporary file); return the offsets."""
+Compute = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (input_ids, attention_mask) -> [b, T, size]
+
+
+def _write_feature_shard(compute: Compute, device: torch.device, feature_size: int, dataset: Any,
+                         storage_dtype: torch.dtype, path: Path, start: int, shard_lengths: np.ndarray,
+                         max_batch_tokens: int, report: Callable[[int], None]) -> np.ndarray:
+    """Write ``compute`` of sequences ``start ..`` to ``path`` (through a temporary file); return the offsets."""
     np_dtype, _ = _STORAGE[_dtype_name(storage_dtype)]
-    device = next(target.parameters()).device
     offsets = np.concatenate([[0], np.cumsum(shard_lengths)]).astype(np.int64)
-    feature_size = target.config.get_text_config().hidden_size * len(target_layer_ids)
     tmp = path.with_name(path.name + ".tmp")
     array = np.memmap(tmp, dtype=np_dtype, mode="w+", shape=(int(offsets[-1]), feature_size))
     for rows in _length_batches(shard_lengths, max_batch_tokens):
         batch = collate_sequences([dataset[start + int(r)] for r in rows])
-        feats = tapped_hidden_states(
-            target, batch["input_ids"].to(device), batch["attention_mask"].to(device), target_layer_ids
-        ).to(storage_dtype).cpu()
+        feats = compute(batch["input_ids"].to(device), batch["attention_mask"].to(device)).to(storage_dtype).cpu()
         for j, r in enumerate(rows):
             length = int(shard_lengths[r])
             block = feats[j, :length].contiguous()
@@ -161,13 +173,63 @@ def precompute_features(
     the target's dtype (bf16 stays bit-exact). ``limit`` stores only the first ``limit`` sequences.
     Settings that differ from an existing ``features.json`` raise a ``ValueError``.
     """
+    storage_dtype = storage_dtype or next(target.parameters()).dtype
+    total = _total(dataset, limit)
+    settings = _feature_settings(target, dataset, target_layer_ids, storage_dtype, shard_sequences, total)
+
+    def compute(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return tapped_hidden_states(target, input_ids, attention_mask, target_layer_ids)
+
+    return _precompute(target, dataset, Path(out_dir), settings, compute, storage_dtype, max_batch_tokens,
+                       progress, "features")
+
+
+@torch.no_grad()
+def target_topk(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, k: int) -> torch.Tensor:
+    """``[b, T, 2k]`` float32: at every position the ids of the target's k likeliest next tokens (as floats, exact
+    below 2**24), then their log-probabilities (from a float32 log-softmax over the whole vocabulary)."""
+    logits = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    top = logits.float().log_softmax(-1).topk(k, dim=-1)
+    return torch.cat([top.indices.float(), top.values], dim=-1)
+
+
+def precompute_topk(
+    target: nn.Module,
+    dataset: Any,
+    out_dir: str | os.PathLike[str],
+    k: int,
+    *,
+    shard_sequences: int = 256,
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+    limit: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The target's top-``k`` next-token distribution at every position of ``dataset`` (a whole forward with the
+    head), stored like :func:`precompute_features` in a folder of its own; resumable; returns the manifest."""
+    vocab = target.config.get_text_config().vocab_size
+    if not 1 <= k <= vocab:
+        raise ValueError(f"k must be between 1 and the target's vocabulary size {vocab}, got {k}.")
+    if vocab > 2**24:
+        raise ValueError(f"token ids are stored as float32, exact below 2**24; this target has {vocab} tokens.")
+    total = _total(dataset, limit)
+    settings = _feature_settings(target, dataset, [], torch.float32, shard_sequences, total, topk=k)
+    return _precompute(target, dataset, Path(out_dir), settings,
+                       lambda input_ids, attention_mask: target_topk(target, input_ids, attention_mask, k),
+                       torch.float32, max_batch_tokens, progress, f"top-{k}")
+
+
+def _total(dataset: Any, limit: int | None) -> int:
+    lengths = dataset.sequence_lengths()
+    return len(lengths) if limit is None else min(limit, len(lengths))
+
+
+def _precompute(target: nn.Module, dataset: Any, out_dir: Path, settings: dict[str, Any], compute: Compute,
+                storage_dtype: torch.dtype, max_batch_tokens: int, progress: bool, desc: str) -> dict[str, Any]:
+    """One resumable pass of ``compute`` over the first ``settings["num_sequences"]`` sequences, shard by shard."""
     from tqdm.auto import tqdm
 
-    out_dir = Path(out_dir)
-    storage_dtype = storage_dtype or next(target.parameters()).dtype
     lengths = dataset.sequence_lengths()
-    total = len(lengths) if limit is None else min(limit, len(lengths))
-    settings = _feature_settings(target, dataset, target_layer_ids, storage_dtype, shard_sequences, total)
+    total, shard_sequences = settings["num_sequences"], settings["shard_sequences"]
     manifest = _resumed_manifest(out_dir, settings)
     if manifest["complete"]:
         return manifest
@@ -175,7 +237,7 @@ def precompute_features(
     done = {s["start"] for s in manifest["shards"]}
     starts = list(range(0, total, shard_sequences))
     todo_tokens = int(sum(lengths[s : min(s + shard_sequences, total)].sum() for s in starts if s not in done))
-    bar = tqdm(total=todo_tokens, desc="features", unit="tok", unit_scale=True, disable=not progress, mininterval=5)
+    bar = tqdm(total=todo_tokens, desc=desc, unit="tok", unit_scale=True, disable=not progress, mininterval=5)
     begin = time.perf_counter()
     processed = 0
 
@@ -186,13 +248,15 @@ def precompute_features(
         bar.set_postfix(tok_s=f"{processed / (time.perf_counter() - begin):.0f}")
 
     target.eval()
+    device = next(target.parameters()).device
     for index, start in enumerate(starts):
         if start in done:
             continue
         end = min(start + shard_sequences, total)
         file = f"features-{index:05d}.bin"
-        offsets = _write_feature_shard(target, dataset, target_layer_ids, storage_dtype, out_dir / file, start,
-                                       lengths[start:end].astype(np.int64), max_batch_tokens, report)
+        offsets = _write_feature_shard(compute, device, settings["feature_size"], dataset, storage_dtype,
+                                       out_dir / file, start, lengths[start:end].astype(np.int64), max_batch_tokens,
+                                       report)
         manifest["shards"].append({"file": file, "start": start, "end": end, "offsets": offsets.tolist()})
         manifest["shards"].sort(key=lambda s: s["start"])
         _write_manifest(out_dir, manifest)
@@ -209,6 +273,11 @@ def features_manifest(directory: str | os.PathLike[str]) -> dict[str, Any] | Non
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
+def store_kind(manifest: dict[str, Any]) -> str:
+    """``"hidden"`` (tapped states; folders written before top-k stores existed say nothing) or ``"topk"``."""
+    return manifest.get("kind", "hidden")
+
+
 def covered_sequences(manifest: dict[str, Any]) -> int:
     """How many sequences, counted from the first, have features on disk (all of them once ``complete``)."""
     covered = 0
@@ -223,16 +292,21 @@ class PrecomputedFeatures:
     """Memory-mapped features written by :func:`precompute_features`; ``features[i]`` is ``[T_i, n*H]``.
 
     ``allow_partial=True`` reads a folder whose computation is still under way (or was stopped): only the
-    sequences covered from the first one on are available, ``len()`` says how many.
+    sequences covered from the first one on are available, ``len()`` says how many. ``kind`` is the store expected:
+    ``"hidden"`` (:func:`precompute_features`) or ``"topk"`` (:func:`precompute_topk`; ``features[i]`` is ``[T_i, 2k]``).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], allow_partial: bool = False):
+    def __init__(self, directory: str | os.PathLike[str], allow_partial: bool = False, kind: str = "hidden"):
         self.directory = Path(directory)
         manifest = features_manifest(self.directory)
+        maker = "precompute_topk (hf-retrace data topk)" if kind == "topk" else "precompute_features"
         if manifest is None:
-            raise FileNotFoundError(f"No {FEATURES_MANIFEST} in {self.directory}; run precompute_features first.")
+            raise FileNotFoundError(f"No {FEATURES_MANIFEST} in {self.directory}; run {maker} first.")
+        if store_kind(manifest) != kind:
+            raise ValueError(f"{self.directory} holds {store_kind(manifest)!r} data, not {kind!r}: it was made by the "
+                             f"other pass; give the folder {maker} wrote.")
         if not manifest.get("complete") and not allow_partial:
-            raise ValueError(f"{self.directory} is only partly computed; run precompute_features again to finish it.")
+            raise ValueError(f"{self.directory} is only partly computed; run {maker} again to finish it.")
         self.manifest = manifest
         self._covered = covered_sequences(manifest) if not manifest.get("complete") else manifest["num_sequences"]
         self.target_layer_ids = list(manifest["target_layer_ids"])

@@ -79,7 +79,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise usage_error(f"--holdout {args.holdout} leaves no training sequences (the data has {num}).")
     holdout_indices = list(range(num - args.holdout, num))
     features, feature_fn, mode = _feature_source(args, target, drafter, sequences, num)
-    dataset = FeatureDataset(sequences, features, indices=list(range(num - args.holdout)))
+    topk = PrecomputedFeatures(args.topk_dir, allow_partial=True, kind="topk") if args.distill_weight else None
+    dataset = FeatureDataset(sequences, features, indices=list(range(num - args.holdout)), topk=topk)
     eval_fn, prompt_ids = None, []
     if args.eval_prompts or holdout_indices:
         prompt_ids = _eval_prompt_ids(args, tokenizer, sequences, holdout_indices)
@@ -185,7 +186,7 @@ def _objective(args: argparse.Namespace, drafter: ReTraceDrafter, target: Any) -
                                      verification=args.verification)
         return objective, (lambda name: True) if args.joint else retrace_parameters
     objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings(),
-                                num_anchors=args.num_anchors, gamma=args.gamma)
+                                num_anchors=args.num_anchors, gamma=args.gamma, distill_weight=args.distill_weight)
     return objective, backbone_parameters
 
 
@@ -210,6 +211,9 @@ def _print_plan(trainer: Trainer, args: argparse.Namespace, target_path: str, dr
     acc.print(f"[hf-retrace] {num_sequences} training sequences, features {mode}, {trainer.total_steps} steps "
               f"({args.batch_size} x {args.grad_accum} x {acc.num_processes} sequences each), warmup "
               f"{trainer.warmup_steps}; {num_prompts} eval prompts")
+    if args.distill_weight:
+        acc.print(f"[hf-retrace] loss: {1 - args.distill_weight:g} x the target's token + {args.distill_weight:g} x "
+                  f"its top-k distribution ({args.topk_dir})")
 
 
 def _final_evaluation(trainer: Trainer, steps: int, num_prompts: int) -> dict[str, Any]:
@@ -241,7 +245,9 @@ def _card_info(args: argparse.Namespace, manifest: dict[str, Any], target_path: 
         "stage": portable_path(f"{args.stage}; drafter {init}; features {mode}"),
         "hyperparameters": (f"block {config.block_size}, {config.num_hidden_layers} layers, "
                             f"target layers {config.target_layer_ids}, {args.num_anchors} anchors, "
-                            f"gamma {args.gamma}, lr {args.lr}, warmup {args.warmup_ratio}, cosine, "
+                            f"gamma {args.gamma}, "
+                            + (f"top-k distillation weight {args.distill_weight}, " if args.distill_weight else "")
+                            + f"lr {args.lr}, warmup {args.warmup_ratio}, cosine, "
                             f"batch {args.batch_size}x{args.grad_accum}x{acc.num_processes}, "
                             f"{'bf16' if args.bf16 else 'fp32'}, AdamW{ADAMW_BETAS}, wd {args.weight_decay}, clip "
                             f"{args.max_grad_norm}"),
