@@ -140,8 +140,8 @@ for mode, table in counts.items():
                      f"| {c['kept']} | " + " | ".join(cells) + f" | {c['target'] / kept:.1%} |")
     lines.append("")
 lines += ["**the most any use of the kept suffix can gain** (next block, full block, teacher-forced)", "",
-          "| kept suffix | next blocks | τ of the backbone | τ of the oracle | ratio | τ of the shift-tolerant oracle "
-          "(±2 slots) | ratio | kept slots where the backbone's new draft is wrong | kept token right there |",
+          "| kept suffix | next blocks | τ of the backbone | τ of the oracle | ratio "
+          "| τ of the shift-tolerant oracle (±2 slots) | ratio | kept slots where the backbone's new draft is wrong | kept token right there |",
           "|---|---|---|---|---|---|---|---|---|"]
 for mode, c in bound.items():
     n, base = max(c["blocks"], 1), max(c["backbone tokens"], 1)

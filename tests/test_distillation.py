@@ -218,3 +218,8 @@ def test_a_features_folder_is_refused_as_topk_dir_and_the_reverse(tiny_run, tmp_
         main(["data", "topk", "--target", str(root / "target"), "--data", str(root / "tok"), "--out",
               str(tmp_path / "feats"), "--k", "2", "--dtype", "float32"])
     assert PrecomputedFeatures(tmp_path / "feats").manifest["complete"]
+    # a k beyond the target's vocabulary is refused before anything is written
+    with pytest.raises(SystemExit, match=f"k must be between 1 and the target's vocabulary size {VOCAB}, got 1000"):
+        main(["data", "topk", "--target", str(root / "target"), "--data", str(root / "tok"), "--out",
+              str(tmp_path / "big"), "--k", "1000", "--dtype", "float32"])
+    assert not (tmp_path / "big").exists()

@@ -1,4 +1,5 @@
-"""The flags of ``hf-retrace train``, ``hf-retrace data {generate,tokenize,features,topk}`` and ``hf-retrace calibrate``.
+"""The flags of ``hf-retrace train``, ``hf-retrace data {generate,tokenize,features,topk}`` and
+``hf-retrace calibrate``.
 
 Parsing only: ``checks.py`` validates the values, ``commands.py`` wires the parsers to their commands.
 

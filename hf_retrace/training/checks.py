@@ -19,7 +19,7 @@ from typing import Any
 
 from .checkpoints import CHECKPOINTS, DRAFTER_INIT, RUN_SETTINGS
 from .data import validate_prompt_file
-from .precomputed_features import covered_sequences, features_manifest, store_kind
+from .precomputed_features import STORE_MAKERS, covered_sequences, features_manifest, store_kind
 from .trainer import LOG_FILE
 
 __all__ = [
@@ -217,9 +217,8 @@ def _check_features_dir(features_dir: str | None, manifest: dict[str, Any]) -> N
 def _check_store(store: dict[str, Any], flag: str, folder: str, kind: str, manifest: dict[str, Any]) -> None:
     """A precomputed store of the expected kind, made for the same tokenized data."""
     if store_kind(store) != kind:
-        made_by = "hf-retrace data topk" if store_kind(store) == "topk" else "hf-retrace data features"
-        wanted = "hf-retrace data topk" if kind == "topk" else "hf-retrace data features"
-        raise usage_error(f"{flag} {folder} holds what `{made_by}` writes; {flag} takes a folder of `{wanted}`.")
+        raise usage_error(f"{flag} {folder} holds what `{STORE_MAKERS[store_kind(store)]}` writes; {flag} takes a "
+                          f"folder of `{STORE_MAKERS[kind]}`.")
     if store.get("dataset", {}).get("num_tokens") != manifest.get("num_tokens"):
         raise usage_error(f"{flag} {folder} was computed for another dataset ({store.get('dataset')}); use a new "
                           "folder.")
@@ -228,7 +227,8 @@ def _check_store(store: dict[str, Any], flag: str, folder: str, kind: str, manif
 def _check_distillation(args: argparse.Namespace, manifest: dict[str, Any]) -> None:
     """``--distill-weight`` in [0, 1]; above 0 it needs a complete enough ``--topk-dir`` for the backbone stage."""
     if not 0.0 <= args.distill_weight <= 1.0:
-        raise usage_error(f"--distill-weight must be in [0, 1] (0: the target's own token only), got {args.distill_weight}.")
+        raise usage_error(f"--distill-weight must be in [0, 1] (0: the target's own token only), got "
+                          f"{args.distill_weight}.")
     if not args.distill_weight:
         if args.topk_dir:
             raise usage_error("--topk-dir is read only with --distill-weight > 0; add one (e.g. 0.5) or drop it.")
@@ -244,7 +244,7 @@ def _check_distillation(args: argparse.Namespace, manifest: dict[str, Any]) -> N
     _check_store(store, "--topk-dir", args.topk_dir, "topk", manifest)
     total = int(manifest.get("num_sequences", 0))
     needed = min(args.max_sequences or total, total) - args.holdout
-    covered = store["num_sequences"] if store.get("complete") else covered_sequences(store)
+    covered = covered_sequences(store)
     if covered < needed:
         raise usage_error(f"--topk-dir {args.topk_dir} covers the first {covered} sequences but training reads the "
                           f"first {needed}: run `hf-retrace data topk` with --limit {needed} or more (it resumes), or "

@@ -95,8 +95,8 @@ class FeatureDataset(torch.utils.data.Dataset):
     """Items ``{input_ids, loss_mask, index[, target_hidden][, target_topk]}`` of a tokenized dataset, with the
     precomputed features and the target's top-k distributions (``topk``, a ``kind="topk"`` store) joined if given."""
 
-    def __init__(self, sequences: Any, features: PrecomputedFeatures | None = None, indices: Sequence[int] | None = None,
-                 topk: PrecomputedFeatures | None = None):
+    def __init__(self, sequences: Any, features: PrecomputedFeatures | None = None,
+                 indices: Sequence[int] | None = None, topk: PrecomputedFeatures | None = None):
         self.sequences = sequences
         self.features = features
         self.topk = topk

@@ -261,7 +261,7 @@ class DFlashObjective(nn.Module):
         index, in_vocab = self.draft_index(dist[:, :k].long())
         log_p = dist[:, k:].float().masked_fill(~in_vocab, float("-inf"))
         has_any = in_vocab.any(dim=-1, keepdim=True)
-        p = torch.where(has_any, log_p.softmax(dim=-1), torch.zeros_like(log_p)).nan_to_num(0.0)
+        p = torch.where(has_any, log_p.softmax(dim=-1), torch.zeros_like(log_p))  # all -inf rows: 0, not NaN
         log_q = torch.gather(logits, 1, index) - lse[:, None]
         return -(p * log_q).sum(dim=-1)
 

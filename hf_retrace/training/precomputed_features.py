@@ -39,11 +39,13 @@ __all__ = [
     "features_manifest",
     "precompute_features",
     "precompute_topk",
+    "STORE_MAKERS",
     "store_kind",
     "target_topk",
 ]
 
 FEATURES_MANIFEST = "features.json"
+STORE_MAKERS = {"hidden": "hf-retrace data features", "topk": "hf-retrace data topk"}  # store kind -> its command
 _STORAGE = {  # torch dtype name -> (numpy storage dtype, torch view dtype)
     "bfloat16": (np.uint16, torch.bfloat16),
     "float16": (np.float16, torch.float16),
@@ -185,7 +187,8 @@ def precompute_features(
 
 
 @torch.no_grad()
-def target_topk(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, k: int) -> torch.Tensor:
+def target_topk(target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                k: int) -> torch.Tensor:
     """``[b, T, 2k]`` float32: at every position the ids of the target's k likeliest next tokens (as floats, exact
     below 2**24), then their log-probabilities (from a float32 log-softmax over the whole vocabulary)."""
     logits = target(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
@@ -293,13 +296,14 @@ class PrecomputedFeatures:
 
     ``allow_partial=True`` reads a folder whose computation is still under way (or was stopped): only the
     sequences covered from the first one on are available, ``len()`` says how many. ``kind`` is the store expected:
-    ``"hidden"`` (:func:`precompute_features`) or ``"topk"`` (:func:`precompute_topk`; ``features[i]`` is ``[T_i, 2k]``).
+    ``"hidden"`` (:func:`precompute_features`) or ``"topk"`` (:func:`precompute_topk`; ``features[i]`` is
+    ``[T_i, 2k]``).
     """
 
     def __init__(self, directory: str | os.PathLike[str], allow_partial: bool = False, kind: str = "hidden"):
         self.directory = Path(directory)
         manifest = features_manifest(self.directory)
-        maker = "precompute_topk (hf-retrace data topk)" if kind == "topk" else "precompute_features"
+        maker = f"`{STORE_MAKERS[kind]}`"
         if manifest is None:
             raise FileNotFoundError(f"No {FEATURES_MANIFEST} in {self.directory}; run {maker} first.")
         if store_kind(manifest) != kind:
