@@ -20,7 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hf_retrace.training.calibrate import replay_grid
+from hf_retrace.generation.policy import RoundPolicy
+from hf_retrace.tuning.replay import replay_rounds
+from hf_retrace.tuning.search import CUTS, best_row
 
 # name -> the train arguments that make the variant (everything else is shared, below)
 VARIANTS = {
@@ -127,7 +129,9 @@ def shared_cost_replay(results: list[dict]) -> None:
     shared = [statistics.median(t["verify_costs"][k] for t in tables if k < len(t["verify_costs"]))
               for k in range(longest)]
     for result, table in zip(results, tables):
-        _, best = replay_grid(table["recorded_rounds"], table["draft_cost_c"], shared)
+        rows = [{"threshold": cut, **replay_rounds(table["recorded_rounds"], RoundPolicy(
+            confidence_cut=cut, verify_costs=shared, draft_cost=table["draft_cost_c"]))} for cut in CUTS]
+        best = best_row(rows)
         result.update(shared_threshold=best["threshold"], shared_tokens_per_cost=best["tokens_per_cost"],
                       shared_verify_costs=shared)
 

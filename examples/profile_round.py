@@ -35,7 +35,7 @@ def main() -> None:
     target, tokenizer = load_target(args.target, "bf16")
     drafter = load_drafter(args.drafter, args.drafter_dtype)
     if args.full_block:
-        drafter.config.draft_confidence_threshold = None
+        drafter = drafter.with_policy(confidence_cut=None)
     ids = chat_input_ids(tokenizer, PROMPT)
     kwargs = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     with torch.inference_mode():

@@ -15,7 +15,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_retrace.training.calibrate import verify_cost
+from hf_retrace.generation.policy import verify_cost
 
 ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 1.0)
 

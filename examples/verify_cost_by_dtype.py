@@ -14,7 +14,7 @@ import time
 import torch
 
 from hf_retrace.loading import load_target, torch_dtype
-from hf_retrace.training.calibrate import measure_verify_costs
+from hf_retrace.tuning.costs import measure_verify_costs
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--target", default=None)

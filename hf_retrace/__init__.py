@@ -10,14 +10,17 @@ from transformers import AutoConfig, AutoModel
 from .configuration import ReTraceConfig
 from .generation import attach, detach
 from .generation.dispatch import install as _install_dispatch
+from .generation.policy import RoundPolicy, set_policy_resolver
 from .modeling import ReTraceDrafter
 from .retrace import RejectedSuffix
 from .stats import GenerationStats
+from .tuning.auto import auto_policy
 
 __version__ = "0.1.0"
 
 AutoConfig.register(ReTraceConfig.model_type, ReTraceConfig, exist_ok=True)
 AutoModel.register(ReTraceConfig, ReTraceDrafter, exist_ok=True)
 GLOBAL_DISPATCH = _install_dispatch()
+set_policy_resolver(auto_policy)  # a call without its own policy gets the one tuned for this machine
 
-__all__ = ["GenerationStats", "ReTraceConfig", "ReTraceDrafter", "RejectedSuffix", "attach", "detach"]
+__all__ = ["GenerationStats", "ReTraceConfig", "ReTraceDrafter", "RejectedSuffix", "RoundPolicy", "attach", "detach"]

@@ -8,18 +8,26 @@ import sys
 from typing import Any
 
 # load_target stays importable from here for scripts written against earlier versions
-from .loading import MAX_NEW_TOKENS, SHORT_DTYPES, dtype_arg, load_drafter, load_pair, load_target, torch_dtype  # noqa: F401
+from .loading import (  # noqa: F401
+    MAX_NEW_TOKENS, SHORT_DTYPES, add_device_arguments, dtype_arg, load_drafter, load_pair, load_target, torch_dtype,
+)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .side_by_side import compare
+    from .generation.dispatch import check_context
+    from .side_by_side import chat_input_ids, compare
 
     torch.manual_seed(args.seed)
-    target, tokenizer, drafter = load_pair(args.target, args.drafter, args.dtype)
+    target, tokenizer, drafter = load_pair(args.target, args.drafter, args.dtype, device=args.device,
+                                           device_map=args.device_map, compile=args.compile)
     if args.no_retrace:
-        drafter.config.use_retrace = False
+        drafter = drafter.with_policy(retrace=False)
+    try:  # before the plain run too, which has no such check: a prompt past the context would run for minutes
+        check_context(target, chat_input_ids(tokenizer, args.prompt).shape[1])
+    except ValueError as error:
+        raise SystemExit(f"hf-retrace generate: {error}") from None
     result = compare(target, tokenizer, drafter, args.prompt, args.max_new_tokens, args.temperature, args.seed)
     if args.json:
         print(json.dumps(result.as_dict(), indent=2))
@@ -27,13 +35,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = result.drafted.stats or {}
     print(result.drafted.text)
     print()
-    print(f"plain generate          : {result.plain.tokens_per_second:6.1f} tokens/s ({len(result.plain.token_ids)} tokens)")
-    print(f"with the ReTrace drafter: {result.drafted.tokens_per_second:6.1f} tokens/s "
+    print(f"plain generate  : {result.plain.tokens_per_second:6.1f} tokens/s ({len(result.plain.token_ids)} tokens)")
+    print(f"with the drafter: {result.drafted.tokens_per_second:6.1f} tokens/s "
           f"(tau = {stats.get('mean_acceptance_length', 0):.2f} tokens per target forward)")
-    print(f"speed-up {result.speedup:.2f}x; outputs identical: {result.identical}")
-    if not result.identical and args.temperature == 0 and args.dtype != "fp32":
-        print("(bf16: a multi-token verify can round differently from one-token decoding at near-ties; "
-              "use --dtype fp32 for a bit-exact comparison)")
+    print(f"ran: {result.ran}")
+    print(f"speed-up {result.speedup:.2f}x")
+    print("\n".join(result.outcome_lines(tokenizer)))
     return 0
 
 
@@ -50,6 +57,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tune(args: argparse.Namespace) -> int:
+    from .tuning.auto import tune_and_cache
+    from .tuning.report import print_tuning
+
+    target, _, drafter = load_pair(args.target, args.drafter, args.dtype, device=args.device,
+                                   device_map=args.device_map)
+    result, path = tune_and_cache(target, drafter)
+    print_tuning(result)
+    print(f"[hf-retrace] cached in {path}: every later generate with this target, drafter, dtype and machine uses it")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-retrace", description="Lossless speculative decoding with ReTrace.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -62,9 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
+    add_device_arguments(gen, compile=True)
     gen.add_argument("--no-retrace", action="store_true", help="use the DFlash backbone alone")
     gen.add_argument("--json", action="store_true", help="print the answer, tau and both speeds as JSON")
     gen.set_defaults(func=cmd_generate)
+
+    tune = sub.add_parser("tune", help="measure this machine's round costs, replay the drafter's recorded rounds and "
+                          "cache the round policy every later generate uses (done at first use otherwise)")
+    tune.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    tune.add_argument("--drafter", default=None, help="Hub id or folder (default: the drafter shipped for it)")
+    tune.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
+    add_device_arguments(tune)
+    tune.add_argument("--json", default=None, help="also write the result (costs, tables, choices) to this file; "
+                      "HF_RETRACE_POLICY=FILE uses it")
+    tune.set_defaults(func=cmd_tune)
 
     exp = sub.add_parser("export", help="write a drafter's DFlash backbone in the z-lab layout (vLLM, SGLang, dflash)")
     exp.add_argument("--drafter", default=None, help="folder or Hub id (default: the drafter shipped here)")

@@ -11,6 +11,7 @@ from typing import Any
 from transformers import PretrainedConfig
 
 RETRACE_ABLATIONS = ("full", "no_correction", "no_gate", "tokens_only")
+PROPOSAL_MODES = ("argmax", "sample")  # under sampling: sample-and-match argmax drafts, or sampled drafts + rejection
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_features: int) -> list[int]:
@@ -118,6 +119,7 @@ class ReTraceConfig(PretrainedConfig):
         lookup_max_ngram: int = 4,
         lookup_num_tokens: int = 10,
         lookup_start_tokens: int = 2,
+        proposal_mode: str = "argmax",
         **kwargs: Any,
     ):
         # z-lab layouts: the DFlash fields may sit in a nested `dflash_config`
@@ -174,6 +176,7 @@ class ReTraceConfig(PretrainedConfig):
         self.lookup_max_ngram = int(lookup_max_ngram)
         self.lookup_num_tokens = int(lookup_num_tokens)
         self.lookup_start_tokens = int(lookup_start_tokens)
+        self.proposal_mode = proposal_mode
         super().__init__(tie_word_embeddings=False, **kwargs)
         # validated when a drafter is built: transformers instantiates a default config to diff against
 
@@ -191,6 +194,8 @@ class ReTraceConfig(PretrainedConfig):
                 "The drafter config has no target_layer_ids (which target layers the drafter reads). Set them, e.g. "
                 "`build_target_layer_ids(num_target_layers, 5)`."
             )
+        if self.proposal_mode not in PROPOSAL_MODES:
+            raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}, got {self.proposal_mode!r}.")
         if self.retrace_ablation not in RETRACE_ABLATIONS:
             raise ValueError(f"retrace_ablation must be one of {RETRACE_ABLATIONS}, got {self.retrace_ablation!r}.")
         dims = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,

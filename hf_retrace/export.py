@@ -91,6 +91,11 @@ def export_zlab(drafter: ReTraceDrafter | str | Path, out_dir: str | Path, dtype
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out} exists and is not a folder; pick another --out.")
+    source = Path(getattr(drafter, "name_or_path", "") or "")
+    if out.is_dir() and source.is_dir() and out.resolve() == source.resolve():
+        raise ExportError(f"{out} is the folder the drafter was loaded from: the export would replace its config and "
+                          "weights with the z-lab layout's (and drop its ReTrace module). Pick another --out; "
+                          "--overwrite never writes into the source drafter.")
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ExportError(f"{out} is not empty; pick an empty folder or pass overwrite=True (--overwrite).")
     dtype = dtype or drafter.dtype

@@ -1,4 +1,5 @@
-"""Loading below the entry points: the one dtype vocabulary, target/drafter loading and the target path rule.
+"""Loading below the entry points: the one dtype vocabulary, target/drafter loading and the target path rule, and
+the flags that say where the models run (``--device`` / ``--device-map``, ``--compile``: :func:`add_device_arguments`).
 
 ``cli``, ``bench``, ``demo`` and ``training`` all load through here (none of them imports another entry point).
 Dtypes are named ``bf16`` / ``fp16`` / ``fp32``; the torch spellings ``bfloat16`` / ``float16`` / ``float32`` are
@@ -8,10 +9,12 @@ accepted everywhere as the same names.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # torch is imported where a model is loaded, so that `hf-retrace --help` stays instant
+if TYPE_CHECKING:  # annotations only: `import hf_retrace` has already imported torch (through transformers)
     import torch
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # short name -> torch spelling
@@ -65,43 +68,139 @@ def resolve_target(target: str | None) -> str:
 
 
 def load_target(target: str | None, dtype: str | torch.dtype = "bf16", quantization: str | None = None,
-                frozen: bool = False):
+                frozen: bool = False, device: str | torch.device | None = None, device_map: Any = None):
     """(target model in eval mode, tokenizer) from a Hub id / folder, or the embedded default for ``None``/"default".
 
     ``quantization``: None, "8bit" or "4bit" (bitsandbytes). ``frozen`` turns off the weights' gradients (training).
+    ``device`` ("cuda", "cuda:1", ...) loads the whole target there; ``device_map`` ("auto", or a map of module names
+    to devices) lets accelerate place it; neither: the CPU.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if device is not None and device_map is not None:
+        raise ValueError("pass either a device or a device_map, not both.")
     path = resolve_target(target)
     dt = torch_dtype(dtype)
     kwargs: dict[str, Any] = {"dtype": dt}
+    move_to = None  # a device the target is moved to after loading (no accelerate to load it there directly)
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    elif device is not None and str(device) != "cpu":
+        if quantization or importlib.util.find_spec("accelerate") is not None:
+            kwargs["device_map"] = {"": str(device)}
+        else:
+            move_to = device
     if quantization:
         from transformers import BitsAndBytesConfig
 
         bits = {"8bit": dict(load_in_8bit=True), "4bit": dict(load_in_4bit=True, bnb_4bit_compute_dtype=dt)}
-        kwargs |= {"quantization_config": BitsAndBytesConfig(**bits[quantization]), "device_map": "cpu"}
+        kwargs["quantization_config"] = BitsAndBytesConfig(**bits[quantization])
+        kwargs.setdefault("device_map", "cpu")  # bitsandbytes places weights while loading: say where
     model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    if move_to is not None:
+        model.to(move_to)
     if frozen:
         for p in model.parameters():
             p.requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(path)
 
 
-def load_drafter(drafter: str | None, dtype: str | torch.dtype = "bf16"):
-    """A drafter from a Hub id / folder, or the one shipped for the embedded default when ``None``/"default"."""
+def load_drafter(drafter: str | None, dtype: str | torch.dtype = "bf16", device: str | torch.device | None = None,
+                 compile: bool = False):
+    """A drafter from a Hub id / folder, or the one shipped for the embedded default when ``None``/"default";
+    on ``device`` (default: the CPU), its forward compiled when ``compile`` (:func:`compile_drafter`)."""
     from . import defaults
     from .modeling import ReTraceDrafter
 
     path = defaults.default_drafter_path() if drafter in (None, "default") else drafter
-    return ReTraceDrafter.from_pretrained(path, dtype=torch_dtype(dtype)).eval()
+    model = ReTraceDrafter.from_pretrained(path, dtype=torch_dtype(dtype)).eval()
+    if device is not None:
+        model.to(device)
+    return compile_drafter(model) if compile else model
 
 
 def load_pair(target: str | None, drafter: str | None, dtype: str | torch.dtype = "bf16",
-              quantization: str | None = None):
-    """(target, tokenizer, drafter); ``None`` or "default" picks the embedded default for either."""
+              quantization: str | None = None, device: str | torch.device | None = None, device_map: Any = None,
+              compile: bool = False):
+    """(target, tokenizer, drafter); ``None`` or "default" picks the embedded default for either. The target goes to
+    ``device`` or ``device_map`` (:func:`load_target`), the drafter to the device of its input embeddings."""
+    from .generation.placement import embedding_device
+
     if drafter in (None, "default"):
         from . import defaults
 
         defaults.default_drafter_path()  # fail before the target is loaded when no drafter ships
-    model, tokenizer = load_target(target, dtype, quantization)
-    return model, tokenizer, load_drafter(drafter, dtype)
+    model, tokenizer = load_target(target, dtype, quantization, device=device, device_map=device_map)
+    return model, tokenizer, load_drafter(drafter, dtype, device=embedding_device(model), compile=compile)
+
+
+def compile_drafter(drafter: Any, **options: Any):
+    """``drafter`` with its forward compiled by ``torch.compile`` (in place: it stays a ``ReTraceDrafter``, so
+    ``generate`` still dispatches it, and its state dict keeps its keys). Returns ``drafter``.
+
+    ``options`` go to ``torch.compile`` (default ``dynamic=True``: the context grows every round, so sizes are symbolic
+    from the first call instead of recompiling on the second). The forward compiles without a graph break
+    (``tests/test_compile.py``); the first rounds of the first call pay the compilation. See ``docs/gpu.md``.
+    """
+    drafter.compile(**({"dynamic": True} | options))
+    return drafter
+
+
+# --------------------------------------------------------------------------- where models run (command-line flags)
+
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+def device_arg(text: str) -> str:
+    """``argparse`` type of ``--device``: a torch device name (``cpu``, ``cuda``, ``cuda:1``, ``mps``, ``xpu``) that
+    this machine has."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device name; use e.g. cpu, cuda, cuda:1, mps") from None
+    if device.type == "cpu":
+        return str(device)
+    backend = getattr(torch, device.type, None)
+    available = backend is not None and hasattr(backend, "is_available") and backend.is_available()
+    if device.type == "mps":
+        available = torch.backends.mps.is_available()
+    if not available:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: this machine has no {device.type} device for torch {torch.__version__} (a CPU-only build, or "
+            "no driver); use --device cpu")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if device.index is not None and device.index >= count:
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {count} {device.type} device(s), "
+                                         f"numbered 0..{count - 1}")
+    return str(device)
+
+
+def device_map_arg(text: str) -> str | dict[str, Any]:
+    """``argparse`` type of ``--device-map``: an accelerate strategy, or a JSON object of module names to devices."""
+    if text in DEVICE_MAP_STRATEGIES:
+        return text
+    try:
+        mapping = json.loads(text)
+    except ValueError:
+        mapping = None
+    if not isinstance(mapping, dict) or not mapping:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: use one of {', '.join(DEVICE_MAP_STRATEGIES)}, or a JSON object of module names to devices, "
+            'e.g. \'{"model.embed_tokens": 0, "model.layers": 0, "model.norm": 1, "lm_head": 1}\'')
+    return mapping
+
+
+def add_device_arguments(parser: argparse.ArgumentParser, compile: bool = False) -> None:
+    """``--device`` / ``--device-map`` (one or the other) and, with ``compile``, ``--compile``: the same flags, help and
+    checks on every command that loads a model."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--device", type=device_arg, default=None,
+                       help="where the models run: cpu (default), cuda, cuda:1, mps, ...")
+    where.add_argument("--device-map", type=device_map_arg, default=None, metavar="MAP",
+                       help=f"let accelerate place the target ({', '.join(DEVICE_MAP_STRATEGIES)}, or a JSON map of "
+                            "module names to devices); the drafter runs where the target's input embeddings are")
+    if compile:
+        parser.add_argument("--compile", action="store_true",
+                            help="torch.compile the drafter's forward (the first rounds pay the compilation)")

@@ -8,6 +8,7 @@ no embedding table and no LM head: the target's are borrowed at run time and nev
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -17,9 +18,12 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.activations import ACT2FN
 
-from .configuration import ReTraceConfig
+from .configuration import PROPOSAL_MODES, ReTraceConfig
 from .retrace import AlignedSuffix, ReTraceFusion
 from .stats import GenerationStats, last_stats_slot
+
+
+ROUND_RECORDS_FILENAME = "round_records.json.gz"  # the drafter's recorded rounds, beside its weights
 
 
 class RMSNorm(nn.Module):
@@ -184,9 +188,49 @@ class ReTraceDrafter(PreTrainedModel):
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> "ReTraceDrafter":
-        """``PreTrainedModel.from_pretrained`` that reads safetensors only (never a pickled ``.bin``)."""
+        """``PreTrainedModel.from_pretrained`` that reads safetensors only (never a pickled ``.bin``). A weights file
+        that cannot be read (cut short by an interrupted download, copy or save) raises an OSError naming it."""
+        from pathlib import Path
+
+        from huggingface_hub import try_to_load_from_cache
+        from safetensors import SafetensorError, safe_open
+
         kwargs.setdefault("use_safetensors", True)
-        return super().from_pretrained(*args, **kwargs)
+        try:
+            return super().from_pretrained(*args, **kwargs)
+        except SafetensorError as error:
+            source = str(args[0] if args else kwargs.get("pretrained_model_name_or_path", ""))
+            if Path(source).is_dir():
+                files = sorted(Path(source).glob("*.safetensors"))
+                fix = "copy the folder again from where it came (or save the drafter again)"
+            else:  # a Hub id: the file sits in the Hub cache
+                cached = try_to_load_from_cache(source, "model.safetensors", cache_dir=kwargs.get("cache_dir"),
+                                                revision=kwargs.get("revision"))
+                files = [Path(cached)] if isinstance(cached, str) else []
+                fix = f"download it again: ReTraceDrafter.from_pretrained({source!r}, force_download=True)"
+            unreadable = []
+            for file in files:
+                try:
+                    with safe_open(str(file), framework="pt"):
+                        pass
+                except (SafetensorError, OSError):
+                    unreadable.append(str(file))
+            named = ", ".join(unreadable or map(str, files)) or f"the weights of {source}"
+            raise OSError(f"The drafter's weights file {named} cannot be read ({error}): it is damaged or was cut "
+                          f"short (an interrupted download, copy or save). Nothing was loaded: {fix}.") from error
+
+    def save_pretrained(self, save_directory: Any, *args: Any, **kwargs: Any) -> None:
+        """``PreTrainedModel.save_pretrained`` (and so ``push_to_hub``), plus the drafter's recorded rounds
+        (``round_records.json.gz``) when its source folder has them: the round-policy tuner replays them on each
+        machine (:mod:`hf_retrace.tuning`)."""
+        import shutil
+        from pathlib import Path
+
+        super().save_pretrained(save_directory, *args, **kwargs)
+        source = Path(str(self.name_or_path or "")) / ROUND_RECORDS_FILENAME
+        target = Path(save_directory) / ROUND_RECORDS_FILENAME
+        if source.is_file() and source.resolve() != target.resolve():
+            shutil.copyfile(source, target)
 
     # --- weights -------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -216,15 +260,33 @@ class ReTraceDrafter(PreTrainedModel):
         """Stats of the latest ``generate`` call made with this drafter in the current thread (None before any)."""
         return last_stats_slot(self).get()
 
+    round_policy = None  # a view's own RoundPolicy (with_policy); None: resolved per call
+    policy_changes: dict = {}  # a view's changes on top of the resolved policy (with_policy(**changes))
+
+    def with_policy(self, policy: Any = None, **changes: Any) -> "ReTraceDrafter":
+        """This drafter (the same weights, no copy) with its own round policy for the calls it is passed to.
+
+        ``policy``: a :class:`~hf_retrace.generation.policy.RoundPolicy` used as is; ``changes``: fields replaced on
+        top of the policy the call would otherwise get (the tuned one, ``HF_RETRACE_POLICY``, or the shipped one),
+        e.g. ``drafter.with_policy(lookup_cap=16)``. Nothing shared is mutated: concurrent calls with different views
+        never see each other's choices.
+        """
+        view = copy.copy(self)  # shares _parameters/_modules/_buffers; its own __dict__ for the policy
+        view.round_policy = policy if policy is not None else self.round_policy
+        view.policy_changes = {**self.policy_changes, **changes}
+        if view.round_policy is not None and changes:
+            view.round_policy, view.policy_changes = view.round_policy.replace(**changes), {}
+        return view
+
     @property
     def proposal_mode(self) -> str:
         """Under sampling: "argmax" (default; sample-and-match) or "sample" (sampled drafts + rejection sampling)."""
-        return getattr(self.config, "proposal_mode", "argmax")
+        return self.config.proposal_mode
 
     @proposal_mode.setter
     def proposal_mode(self, mode: str) -> None:
-        if mode not in ("argmax", "sample"):
-            raise ValueError(f"proposal_mode must be 'argmax' or 'sample', got {mode!r}.")
+        if mode not in PROPOSAL_MODES:
+            raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}, got {mode!r}.")
         self.config.proposal_mode = mode
 
     _NO_GENERATION_CONFIG = (

@@ -28,14 +28,24 @@ class GenerationStats:
     verify_seconds: float = 0.0
     # ReTrace's motivating observation: rejected suffixes kept, and how often a kept token is later committed
     rounds_with_kept_suffix: int = 0
-    rounds_with_fused_suffix: int = 0
     kept_tokens: int = 0
     kept_tokens_committed: int = 0
     # per drafter round, the drafter's top probability at each drafted slot (recorded when the adaptive block is on)
     slot_confidences: list[list[float]] = field(default_factory=list)
-    # per round: (accepted, drafted, fused) for the demo's colouring
-    round_log: list[tuple[int, int, bool]] = field(default_factory=list)
+    fused_suffix: list[bool] = field(default_factory=list)  # per round: whether ReTrace fused a rejected suffix
     round_sources: list[str] = field(default_factory=list)  # per round: "drafter" or "lookup" (hybrid mode)
+    policy: str = ""  # the round policy this call ran (RoundPolicy.describe())
+    guard_plain_steps: int = 0  # positions decoded plainly because recent rounds fell below plain (RoundGuard)
+
+    @property
+    def rounds_with_fused_suffix(self) -> int:
+        """Rounds whose block ReTrace drafted with a kept rejected suffix fused in."""
+        return sum(self.fused_suffix)
+
+    @property
+    def round_log(self) -> list[tuple[int, int, bool]]:
+        """Per round ``(accepted drafts, drafted, fused)``, for the demo's colouring."""
+        return [(a - 1, d, f) for a, d, f in zip(self.acceptance_lengths, self.draft_lengths, self.fused_suffix)]
 
     @property
     def lookup_rounds(self) -> int:
@@ -63,6 +73,8 @@ class GenerationStats:
             if f.name.endswith("_at_position"):
                 width = max((len(v) for v in values), default=0)
                 setattr(pooled, f.name, [sum(v[i] for v in values if i < len(v)) for i in range(width)])
+            elif isinstance(getattr(pooled, f.name), str):
+                setattr(pooled, f.name, " | ".join(dict.fromkeys(v for v in values if v)))
             elif isinstance(getattr(pooled, f.name), list):
                 setattr(pooled, f.name, [x for v in values for x in v])
             else:
@@ -94,8 +106,7 @@ class GenerationStats:
         self.rounds += 1
         self.acceptance_lengths.append(accepted + 1)
         self.draft_lengths.append(drafted)
-        self.rounds_with_fused_suffix += int(fused)
-        self.round_log.append((accepted, drafted, fused))
+        self.fused_suffix.append(bool(fused))
         self.round_sources.append(source)
         grow = drafted - len(self.drafted_at_position)
         if grow > 0:
@@ -104,6 +115,17 @@ class GenerationStats:
         for slot in range(drafted):
             self.drafted_at_position[slot] += 1
             self.accepted_at_position[slot] += int(slot < accepted)
+
+    def cut_at(self, new_tokens: int) -> None:
+        """Count only the call's first ``new_tokens`` tokens: those past them were committed by the last round and cut
+        at a stop string or criterion met inside it, so they leave ``new_tokens`` and that round's acceptance length
+        (tau counts tokens returned). The per-position counters keep them: the target did accept those drafts."""
+        cut = self.new_tokens - new_tokens
+        if cut <= 0:
+            return
+        self.new_tokens = new_tokens
+        if self.acceptance_lengths:  # a cut needs a round that committed 2+ tokens: a drafting round, the last one
+            self.acceptance_lengths[-1] = max(1, self.acceptance_lengths[-1] - cut)
 
     def as_dict(self) -> dict:
         return {
@@ -118,6 +140,8 @@ class GenerationStats:
             "kept_token_commit_rate": self.kept_token_commit_rate,
             "rounds_with_fused_suffix": self.rounds_with_fused_suffix,
             "lookup_rounds": self.lookup_rounds,
+            "policy": self.policy,
+            "guard_plain_steps": self.guard_plain_steps,
         }
 
 

@@ -204,3 +204,42 @@ def tiny_training_folder(root: Path, num_answers: int, response_words: int, voca
     assert main(["data", "tokenize", "--target", str(root / "target"), "--responses", str(root / "answers.jsonl"),
                  "--out", str(root / "tok"), "--max-length", "64"]) == 0
     return root
+
+
+class StopWhenUnsure(StoppingCriteria):
+    """A custom criterion that reads ``scores``: stop once the newest token's top probability (``scores[-1]``, the step
+    that chose it) is below ``threshold``, after ``min_tokens`` new tokens. Records ``(sequence length, len(scores))``
+    of every call (``None`` where the loop passed no scores)."""
+
+    def __init__(self, prompt_length: int, threshold: float, min_tokens: int = 4):
+        self.prompt_length, self.threshold, self.min_tokens = prompt_length, threshold, min_tokens
+        self.seen: list[tuple[int, int | None]] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.seen.append((input_ids.shape[1], None if scores is None else len(scores)))
+        if scores is None or input_ids.shape[1] - self.prompt_length < self.min_tokens:
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return scores[-1].softmax(-1).max(-1).values < self.threshold
+
+
+class StopAtLength(StoppingCriteria):
+    """A custom criterion that stops once the sequence is ``length`` tokens long (wherever the rounds fall)."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool,
+                          device=input_ids.device)
+
+
+def generate_cache_name(target) -> str:
+    """The name ``generate`` takes a cache under here (5.24+: ``cache``; 4.57: ``past_key_values``)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+
+
+def returned_cache(output):
+    """The cache a ``return_dict_in_generate`` output hands back (``cache`` or ``past_key_values``), or None."""
+    return output["cache"] if "cache" in output.keys() else output.get("past_key_values")

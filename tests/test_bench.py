@@ -132,7 +132,7 @@ def test_mismatch_detector_reports_position_and_gap(assets, monkeypatch):
     def corrupt_dflash(target, tokenizer, input_ids, **kwargs):
         run = real_generate(target, tokenizer, input_ids, **kwargs)
         drafter = kwargs.get("assistant_model")
-        if hasattr(drafter, "retrace") and not drafter.config.use_retrace:  # the dflash method only
+        if hasattr(drafter, "retrace") and drafter.policy_changes.get("retrace") is False:  # the dflash method only
             run.token_ids[3] = (run.token_ids[3] + 1) % VOCAB  # a wrong token at new-token position 3
         return run
 

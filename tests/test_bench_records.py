@@ -14,7 +14,7 @@ from hf_retrace.bench.report import markdown_report
 
 DOCS_BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
 PUBLISHED = sorted(DOCS_BENCH.rglob("*.json"))
-NEWER_FIELDS = ("mean_draft_length", "lookup_round_share")  # absent from reports written before they existed
+NEWER_FIELDS = ("mean_draft_length", "lookup_round_share", "policy", "guard_plain_steps")  # absent from reports written before they existed
 
 
 def _report(path: Path) -> dict:

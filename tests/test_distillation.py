@@ -13,7 +13,8 @@ from helpers import ListDataset, tiny_target, tiny_training_folder
 
 from hf_retrace.cli import main
 from hf_retrace.training.drafter_init import drafter_config_from_target
-from hf_retrace.training.features import FeatureDataset, collate_sequences, tapped_hidden_states
+from hf_retrace.training.feature_dataset import FeatureDataset
+from hf_retrace.training.features import collate_sequences, tapped_hidden_states
 from hf_retrace.training.objective import DFlashObjective, decay_weights
 from hf_retrace.training.precomputed_features import PrecomputedFeatures, precompute_features, precompute_topk
 from hf_retrace import ReTraceDrafter

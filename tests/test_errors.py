@@ -97,8 +97,12 @@ def test_drafter_generate_called_directly(target, prompt):
 
 def test_bad_proposal_mode(target):
     drafter = tiny_drafter(target)
-    with pytest.raises(ValueError, match="'argmax' or 'sample'"):
+    with pytest.raises(ValueError, match=r"proposal_mode must be one of \('argmax', 'sample'\), got 'beam'"):
         drafter.proposal_mode = "beam"
+    assert drafter.proposal_mode == "argmax"
+    drafter.config.proposal_mode = "beam"  # a hand-edited config.json is refused when a drafter is built from it
+    with pytest.raises(ValueError, match="proposal_mode must be one of"):
+        type(drafter)(drafter.config)
 
 
 _V5 = hasattr(GenerationConfig(), "use_mtp")  # settings transformers 4.57 does not have

@@ -5,9 +5,11 @@ everywhere, nowhere, or up to a random slot), its round shape (ReTrace, the look
 draft vocabulary, argmax or sampled proposals), and a set of ``generate`` settings: ``max_new_tokens`` or
 ``max_length``, one or several EOS ids, logits processors (bad words, sequence bias, suppressed tokens, forced EOS/BOS,
 minimum lengths, penalties, n-gram bans, watermarking, a prefix constraint, a user's own processor), stopping criteria
-and stop strings, the static cache, ``return_dict_in_generate`` with scores. Then one of two things must hold:
+(one that reads ``scores``) and stop strings, the static cache, ``return_dict_in_generate`` with scores. Then one of
+two things must hold:
 
-- the output equals plain ``generate`` with the same settings, token for token (and the scores, when returned);
+- the output equals plain ``generate`` with the same settings, token for token (and the scores, when returned), and
+  where drawn, plain ``generate`` continuing from the returned cache continues it as it continues plain's;
 - the combination is one hf_retrace refuses (``REFUSALS``): the call raises hf_retrace's ValueError, which names the
   setting, before the target runs a single forward.
 
@@ -26,7 +28,17 @@ import random
 
 import pytest
 import torch
-from helpers import ProposalPolicy, StopAtToken, byte_level_tokenizer, tiny_drafter, tiny_target
+from helpers import (
+    ProposalPolicy,
+    StopAtLength,
+    StopAtToken,
+    StopWhenUnsure,
+    byte_level_tokenizer,
+    generate_cache_name,
+    returned_cache,
+    tiny_drafter,
+    tiny_target,
+)
 from transformers import (
     GenerationConfig,
     LogitsProcessor,
@@ -68,6 +80,11 @@ SETTINGS = {
     "max_time": 0.05,
     "static_cache": 0.15,
     "return_scores": 0.15,
+}
+# drawn from a seed of their own, so that adding them left every other draw of every case as it was
+EDGES = {
+    "scores_criterion": 0.15,  # a stopping criterion that reads `scores` (return_dict_in_generate + output_scores)
+    "continue_from_cache": 0.15,  # a stop at a drawn position, then plain generate continues from the returned cache
 }
 WARPERS = {"temperature": 0.5, "top_p": 0.3, "min_p": 0.2, "typical_p": 0.15, "epsilon_cutoff": 0.15,
            "eta_cutoff": 0.15, "top_h": 0.15}  # top_h: 5.x only (left out on 4.57; the draws stay the same)
@@ -139,6 +156,8 @@ def _case(index: int) -> dict:
         settings=sorted(name for name, p in SETTINGS.items() if rng.random() < p),
         warpers=sorted(name for name, p in WARPERS.items() if rng.random() < p) if do_sample else [],
     )
+    edges = random.Random(f"edges-{index}")
+    case["edges"] = sorted(name for name, p in EDGES.items() if edges.random() < p)
     if "exponential_decay_length_penalty" in case["settings"] and case["eos"] is None:
         case["eos"] = "one"  # the penalty raises the EOS logit: it needs one
     if "suppress_draft_vocabulary" in case["settings"]:
@@ -249,6 +268,16 @@ def _settings(case: dict, prompt: torch.Tensor, base: list[int], draft_vocab: li
         kwargs["cache_implementation"] = "static"
     if "return_scores" in s:
         kwargs.update(return_dict_in_generate=True, output_scores=True, output_logits=rng.random() < 0.5)
+    edges = random.Random(f"edge-settings-{case['index']}")
+    criteria = list(kwargs.get("stopping_criteria", []))
+    if "scores_criterion" in case["edges"]:  # these tiny targets' top probabilities lie around 0.02-0.04
+        criteria.append(StopWhenUnsure(prompt_length, edges.uniform(0.022, 0.04), min_tokens=edges.randint(1, 4)))
+        kwargs.update(return_dict_in_generate=True, output_scores=True)
+    if "continue_from_cache" in case["edges"]:  # after a stop at a drawn position: often inside a round
+        criteria.append(StopAtLength(prompt_length + edges.randint(1, new)))
+        kwargs["return_dict_in_generate"] = True
+    if criteria:
+        kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
     return kwargs
 
 
@@ -320,7 +349,7 @@ def test_kwargs_case(index, use_policy, count_forwards):
         use_policy(ProposalPolicy(_sequences(reference), case["policy"], VOCAB, seed=index))
     out = target.generate(prompt, assistant_model=drafter, **kwargs)
     assert _sequences(out).tolist() == _sequences(reference).tolist(), _describe(case, kwargs)
-    if kwargs.get("return_dict_in_generate"):
+    if kwargs.get("output_scores"):
         for name in ("scores", "logits") if kwargs.get("output_logits") else ("scores",):
             ours, theirs = getattr(out, name), getattr(reference, name)
             assert len(ours) == len(theirs), (name, _describe(case, kwargs))
@@ -329,6 +358,32 @@ def test_kwargs_case(index, use_policy, count_forwards):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True, msg=message)
     stats = drafter.last_stats
     assert stats.new_tokens == _sequences(out).shape[1] - prompt.shape[1]
+    assert sum(stats.acceptance_lengths) <= stats.new_tokens - 1 or stats.new_tokens == 1, "tau counts cut tokens"
+    if "continue_from_cache" in case["edges"]:
+        _assert_continues_as_plain(target, out, reference, _describe(case, kwargs))
+
+
+def _assert_continues_as_plain(target, out, reference, description: str) -> None:
+    """Plain greedy ``generate`` continuing our output from our returned cache gives what it gives continuing plain's
+    output from plain's cache. Where plain's continuation fails (a static cache too short for it), ours fails too, or
+    (4.57 swaps a drafted call's static cache for a dynamic one) gives plain's continuation of the sequence alone."""
+
+    def continuation(output, cache=True):
+        argument = {generate_cache_name(target): returned_cache(output)} if cache else {}
+        return target.generate(output.sequences, **argument, max_new_tokens=4, do_sample=False).tolist()
+
+    try:
+        expected = continuation(reference)
+    except Exception:  # noqa: BLE001 - plain's own continuation fails
+        expected = None
+    try:
+        ours = continuation(out)
+    except Exception:  # noqa: BLE001
+        assert expected is None, f"only ours fails to continue from its returned cache\n{description}"
+        return
+    if expected is None:
+        expected = continuation(reference, cache=False)
+    assert ours == expected, f"continuation from the returned cache\n{description}"
 
 
 def test_cases_cover_the_edges():
@@ -340,6 +395,9 @@ def test_cases_cover_the_edges():
         assert sum(name in c["settings"] for c in run) >= 40, name
     for name in WARPERS:
         assert sum(name in c["warpers"] for c in run) >= 25, name
+    for name in EDGES:
+        assert sum(name in c["edges"] for c in run) >= 100, name
+    assert sum("static_cache" in c["settings"] and "continue_from_cache" in c["edges"] for c in run) >= 10
     for name in REFUSAL_NAMES:
         assert sum(c["refusal"] == name for c in cases) >= 3, name
     assert {c["policy"] for c in run} == {"drafter", "all", "none", "partial"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import tiny_drafter, tiny_target
 
-from hf_retrace.training.features import FeatureDataset
+from hf_retrace.training.feature_dataset import FeatureDataset
 from hf_retrace.training.retrace_stage import ReTraceObjective
 from hf_retrace.training.trainer import Trainer, TrainingArguments, retrace_parameters
 

@@ -10,7 +10,8 @@ from helpers import ProposalPolicy, tiny_drafter, tiny_target
 from torch.profiler import ProfilerActivity, profile
 
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
-from hf_retrace.generation.lookup import ContextLookup, first_lookup_budget, next_lookup_budget
+from hf_retrace.generation.lookup import ContextLookup
+from hf_retrace.generation.policy import RoundPolicy
 
 
 def _brute_force(tokens: list[int], num_tokens: int, min_ngram: int, max_ngram: int) -> tuple[int, list[int]]:
@@ -50,19 +51,20 @@ def test_lookup_repeats_a_loop_shorter_than_its_budget():
 
 
 def test_lookup_budget_doubles_on_a_full_accept_and_falls_back_on_a_rejection():
-    assert next_lookup_budget(drafted=2, accepted=2, start=1, cap=6) == 4
-    assert next_lookup_budget(drafted=4, accepted=4, start=1, cap=6) == 6  # capped
-    assert next_lookup_budget(drafted=6, accepted=3, start=1, cap=6) == 4  # accepted + 1
-    assert next_lookup_budget(drafted=6, accepted=0, start=2, cap=6) == 2  # never below the start
-    assert first_lookup_budget(start=2, cap=1) == 1 and first_lookup_budget(start=1, cap=4) == 1
+    policy = RoundPolicy(lookup=True, lookup_start=1, lookup_cap=6)
+    assert policy.next_lookup_budget(drafted=2, accepted=2) == 4
+    assert policy.next_lookup_budget(drafted=4, accepted=4) == 6  # capped
+    assert policy.next_lookup_budget(drafted=6, accepted=3) == 4  # accepted + 1
+    assert policy.replace(lookup_start=2).next_lookup_budget(drafted=6, accepted=0) == 2  # never below the start
+    assert RoundPolicy(lookup_start=2, lookup_cap=1).first_lookup_budget() == 1
+    assert policy.first_lookup_budget() == 1
 
 
 def test_lookup_rounds_follow_the_budget_rule():
     """A real generate's lookup rounds draft exactly what next_lookup_budget allowed after the previous one."""
     target = tiny_target(seed=5, logit_scale=4.0)
-    drafter = tiny_drafter(target, block_size=4, seed=6)
-    drafter.config.lookup, drafter.config.lookup_min_ngram = True, 1
-    drafter.config.lookup_start_tokens, drafter.config.lookup_num_tokens = 1, 5
+    policy = RoundPolicy(lookup=True, lookup_min_ngram=1, lookup_start=1, lookup_cap=5)
+    drafter = tiny_drafter(target, block_size=4, seed=6).with_policy(policy)
     prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
     target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
     stats = drafter.last_stats
@@ -72,7 +74,7 @@ def test_lookup_rounds_follow_the_budget_rule():
     budget = 1
     for _, k, accepted in lookups:
         assert k <= budget  # (less only where the output's end cut it)
-        budget = next_lookup_budget(k, accepted, 1, 5)
+        budget = policy.next_lookup_budget(k, accepted)
 
 
 def test_bad_round_settings_fail_when_the_drafter_is_built():
@@ -176,3 +178,17 @@ def test_a_round_never_copies_a_weight_sized_tensor():
                 if tuple(sorted(shape[1:])) in weights and not (event.name.startswith("aten::_unsafe_view")):
                     batched.append((event.name, shape))
     assert not batched, f"a drafter weight was treated as a batch (and copied) in a round: {sorted(set(map(str, batched)))}"
+
+
+def test_lookup_never_proposes_a_copy_the_processors_forbid():
+    """``no_repeat_ngram_size=2`` bans every bigram already in the context; a lookup copy after a matched bigram
+    (min n-gram 2) always starts with one, so no lookup round may be sent, and the output stays plain's."""
+    target = tiny_target(seed=5, logit_scale=4.0, dtype=torch.float32)
+    policy = RoundPolicy(lookup=True, lookup_min_ngram=2, lookup_start=2, lookup_cap=6)
+    drafter = tiny_drafter(target, block_size=4, seed=6, dtype=torch.float32).with_policy(policy)
+    prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
+    kwargs = dict(max_new_tokens=30, do_sample=False, no_repeat_ngram_size=2)
+    plain = target.generate(prompt, **kwargs)
+    ours = target.generate(prompt, assistant_model=drafter, **kwargs)
+    assert torch.equal(plain, ours)
+    assert drafter.last_stats.lookup_rounds == 0 and drafter.last_stats.rounds > 0

@@ -19,7 +19,8 @@ from hf_retrace import ReTraceConfig, ReTraceDrafter
 from hf_retrace.training.checkpoints import latest_checkpoint
 from hf_retrace.training.drafter_init import check_drafter_matches_target, copy_target_layers, drafter_config_from_target
 from hf_retrace.training.evaluation import TauEvaluator
-from hf_retrace.training.features import FeatureDataset, OnlineFeatures, collate_sequences, tapped_hidden_states
+from hf_retrace.training.feature_dataset import FeatureDataset
+from hf_retrace.training.features import OnlineFeatures, collate_sequences, tapped_hidden_states
 from hf_retrace.training.objective import (
     DFlashObjective,
     build_block_attention_mask,
@@ -300,6 +301,44 @@ def test_a_crash_inside_a_checkpoint_save_leaves_the_previous_checkpoint_to_resu
     for key in a:
         assert torch.allclose(a[key], b[key], atol=1e-5), key
     assert latest_checkpoint(tmp_path / "run").name == "step-6"
+
+
+def test_resume_passes_over_a_damaged_newest_checkpoint(counting_target, tmp_path, capsys):
+    """The newest checkpoint cut short (its optimizer state): --resume says which file, resumes from the newest intact
+    one and ends where an uninterrupted run ends; with none intact it refuses before any model loads."""
+    from hf_retrace.training.checkpoints import checkpoint_problem, step_checkpoints
+    from hf_retrace.training.commands import cmd_train
+
+    target = counting_target
+    data, fresh, full = _uninterrupted_run(target, tmp_path)
+    killed_drafter = fresh()
+    killed = _trainer(target, killed_drafter, tmp_path / "run", max_steps=6, dataset=data, save_every=2,
+                      feature_fn=_Killer(OnlineFeatures(target, killed_drafter.config.target_layer_ids), 9))
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()  # dies in step 5: checkpoints step-2 and step-4
+    newest = tmp_path / "run" / "checkpoints" / "step-4"
+    optimizer_file = newest / "optimizer.pt"
+    with open(optimizer_file, "r+b") as handle:
+        handle.truncate(optimizer_file.stat().st_size // 2)
+    assert "optimizer.pt cannot be read" in checkpoint_problem(newest)
+    assert latest_checkpoint(tmp_path / "run").name == "step-2"
+    resumed = _trainer(target, fresh(), tmp_path / "run", max_steps=6, dataset=data, save_every=2, resume=True)
+    assert resumed.train()["steps"] == 6
+    a, b = full.unwrapped_drafter().state_dict(), resumed.unwrapped_drafter().state_dict()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5), key
+    assert checkpoint_problem(newest) is None, "the damaged checkpoint is written anew when the run passes its step"
+
+    for step in (4, 6):  # every checkpoint damaged: refused before the (missing) target would load
+        model_file = tmp_path / "run" / "checkpoints" / f"step-{step}" / "model.safetensors"
+        with open(model_file, "r+b") as handle:
+            handle.truncate(10)
+    assert [p.name for p in step_checkpoints(tmp_path / "run")] == ["step-6", "step-4"]  # the newest 2 are kept
+    data_dir = _tokenized(tmp_path)
+    with pytest.raises(SystemExit, match=r"--resume: no checkpoint in .* can be loaded \(step-6: model.safetensors "
+                                         r"cannot be read.*step-4: model.safetensors"):
+        cmd_train(_train_args("--target", "no/such-model", "--data", str(data_dir), "--out", str(tmp_path / "run"),
+                              "--resume"))
 
 
 def test_end_to_end_lowers_loss_and_raises_real_tau(counting_target, tmp_path):

@@ -7,7 +7,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..loading import dtype_arg
+from ..loading import add_device_arguments, dtype_arg
 from .datasets import DATASETS
 from .methods import ALL_METHODS, DEFAULT_METHODS, MAIN_DRAFTER, OWN_DRAFTER_NAMES
 from .plan import BenchInputError, BenchSpec, plan_benchmark
@@ -67,6 +67,9 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         drafters=parse_drafters(args.drafter),
         dtype=args.dtype,
         quantization=args.quantization,
+        device=args.device,
+        device_map=args.device_map,
+        compile=args.compile,
         warmup=not args.no_warmup,
         progress=not args.no_progress,
     )
@@ -127,6 +130,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                             "e.g. no_gate=./drafter-no-gate for retrace-no_gate; repeatable")
     bench.add_argument("--dtype", type=dtype_arg, choices=("bf16", "fp32"), default="bf16")
     bench.add_argument("--quantization", choices=("8bit", "4bit"), default=None, help="bitsandbytes target")
+    add_device_arguments(bench, compile=True)
     bench.add_argument("--json", metavar="OUT.json", help="write the full report as JSON")
     bench.add_argument("--markdown", metavar="OUT.md", help="write the tables as Markdown")
     bench.add_argument("--plots", metavar="DIR", help="write tau.png and per_position_acceptance.png")

@@ -14,16 +14,18 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from ..chat import prompt_token_ids
+from ..generation.placement import synchronize
 from ..sampling import sampling_kwargs
-from ..side_by_side import Run, chat_input_ids, timed_generate
+from ..side_by_side import Run, timed_generate
 from ..stats import GenerationStats
 from .datasets import BenchPrompt
 from .divergence import Comparison, compare_with_plain
 from .methods import PROMPT_LOOKUP_NUM_TOKENS, Method
 from .plan import BenchPlan
-from .recording import drafter_switches, recording_rounds
+from .recording import recording_rounds
 
-__all__ = ["Bench", "TurnResult", "conversation_input_ids", "run_prompt"]
+__all__ = ["Bench", "TurnResult", "run_prompt"]
 
 
 @dataclass
@@ -55,7 +57,10 @@ class Bench:
         self.methods = plan.methods
         self.max_new_tokens = plan.spec.max_new_tokens
         self.dtype = plan.spec.dtype
-        self.drafters = {name: drafters[path] for name, path in plan.drafter_paths.items()}
+        by_name = {method.name: method for method in self.methods}
+        self.drafters = {name: by_name[name].drafter_view(drafters[path]) if by_name.get(name, None) is not None
+                         and by_name[name].kind == "drafter" else drafters[path]
+                         for name, path in plan.drafter_paths.items()}
         self.native_assistants = {}
         for method in self.methods:
             if method.kind == "native":
@@ -75,12 +80,11 @@ class Bench:
 
     @contextmanager
     def rounds_of(self, method: Method) -> Iterator[dict]:
-        """Set the method's drafter switches for one call; yields ``{"stats": GenerationStats | None}`` after it."""
+        """One call's rounds; yields ``{"stats": GenerationStats | None}``, filled after the call."""
         recorded: dict[str, GenerationStats | None] = {"stats": None}
         if method.kind == "drafter":
-            drafter = self.drafters[method.name]
-            with drafter_switches(drafter, method):
-                yield recorded
+            drafter = self.drafters[method.name]  # a view with the method's round policy
+            yield recorded
             recorded["stats"] = drafter.last_stats
         elif method.kind in ("prompt-lookup", "native"):
             stats = GenerationStats()
@@ -98,8 +102,10 @@ class Bench:
         key = tuple(input_ids[0].tolist())
         if key not in self._prefill_cache:
             ids = input_ids.to(self.target.device)
+            synchronize(ids.device)
             started = time.perf_counter()
-            self.target(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+            out = self.target(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
+            synchronize(out.logits.device)
             self._prefill_cache[key] = time.perf_counter() - started
         return self._prefill_cache[key]
 
@@ -108,32 +114,23 @@ class Bench:
         self._prefill_cache = {}
 
 
-def conversation_input_ids(tokenizer: Any, messages: list[dict[str, str]]) -> torch.Tensor:
-    """Input ids of a conversation ending in a user turn, with the generation prompt (thinking off)."""
-    if len(messages) == 1:
-        return chat_input_ids(tokenizer, messages[0]["content"])
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             enable_thinking=False)
-        return tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
-    return tokenizer("\n\n".join(m["content"] for m in messages), return_tensors="pt").input_ids
-
-
 def run_prompt(bench: Bench, prompt: BenchPrompt, temperature: float, seed: int,
                on_request: Callable[[], None] = lambda: None) -> list[TurnResult]:
     """Every method on one prompt, turn by turn; one :class:`TurnResult` per (turn, method).
 
     Each method keeps its own conversation: turn k's input holds the user turns so far with the method's own previous
-    answers between them. On every turn plain runs first: its answer is the T=0 reference for the others.
+    answers between them (:func:`hf_retrace.chat.prompt_token_ids`). On every turn plain runs first: its answer is the
+    T=0 reference for the others.
     """
     sampling = sampling_kwargs(temperature, bench.max_new_tokens)
-    conversations: dict[str, list[dict[str, str]]] = {method.name: [] for method in bench.methods}
+    histories: dict[str, list[str]] = {method.name: [] for method in bench.methods}
     results = []
     for turn, user_message in enumerate(prompt.turns):
         plain: tuple[torch.Tensor, list[int]] | None = None
         for method in bench.methods:
-            messages = conversations[method.name] + [{"role": "user", "content": user_message}]
-            input_ids = conversation_input_ids(bench.tokenizer, messages)
+            history = histories[method.name]
+            token_ids = prompt_token_ids(bench.tokenizer, [user_message], [history])[0]
+            input_ids = torch.tensor([token_ids], dtype=torch.long)
             prefill_seconds = bench.prefill_seconds(input_ids)
 
             torch.manual_seed(seed)
@@ -146,7 +143,7 @@ def run_prompt(bench: Bench, prompt: BenchPrompt, temperature: float, seed: int,
                 plain = (input_ids, run.token_ids)
             comparison = compare_with_plain(bench.target, bench.dtype, method, temperature, input_ids,
                                             run.token_ids, plain)
-            conversations[method.name] = messages + [{"role": "assistant", "content": run.text}]
+            histories[method.name] = [*history, user_message, run.text]
             results.append(TurnResult(prompt.id, turn, seed, method.name, input_ids.shape[1], run, prefill_seconds,
                                       rounds["stats"], comparison))
             on_request()

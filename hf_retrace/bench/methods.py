@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from ..configuration import RETRACE_ABLATIONS
+from ..generation.policy import shipped_policy
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "MAIN_DRAFTER", "OWN_DRAFTER_NAMES", "PROMPT_LOOKUP_NUM_TOKENS", "Method"]
 
 PROMPT_LOOKUP_NUM_TOKENS = 10
+STATIC_CUTS = (None, 0.3, 0.5, 0.65)  # the small static grid the tuned default is checked against
+STATIC_CAPS = (4, 8, 16)
 MAIN_DRAFTER = "default"  # the --drafter key of the drafter every drafting method uses unless given its own
 
 
@@ -28,6 +32,29 @@ class Method:
     description: str = ""
     lookup: bool = False  # the hybrid: context lookup rounds inside our generator
     full_block: bool = False  # the adaptive block cut off (every round drafts block_size - 1 slots)
+    policy: str = "tuned"  # "as-user": the call's own resolution; "tuned": changes on top of it; "shipped"; "static"
+    static: tuple[float | None, int, int] | None = None  # a static policy's (confidence cut, lookup start, cap)
+
+    def drafter_view(self, drafter: Any) -> Any:
+        """The drafter as this method runs it: a view with the method's round policy (nothing shared is changed).
+
+        ``default`` is exactly what a user gets (the tuned policy, or ``HF_RETRACE_POLICY``); ``shipped`` the drafter's
+        config constants; ``static-*`` a fixed policy without the guard; the others force drafting with their switches
+        on top of the tuned policy (its cut, lookup budget and guard)."""
+        if self.policy == "as-user":
+            return drafter.with_policy()
+        base = shipped_policy(drafter.config)
+        if self.policy == "shipped":
+            return drafter.with_policy(base)
+        if self.policy == "static":
+            cut, start, cap = self.static
+            return drafter.with_policy(base.replace(confidence_cut=cut, lookup=True, lookup_start=start,
+                                                    lookup_cap=cap, retrace=False, source=f"static {self.name}"))
+        changes = {"speculate": True, "lookup": self.lookup, "retrace": self.use_retrace,
+                   "retrace_ablation": self.ablation, "kept_suffix_stats": self.use_retrace or self.full_block}
+        if self.full_block:
+            changes["confidence_cut"] = None
+        return drafter.with_policy(**changes)
 
     @property
     def needs_drafter(self) -> bool:
@@ -44,10 +71,21 @@ ALL_METHODS: dict[str, Method] = {
     for m in [
         Method("plain", "plain", description="plain generate (the reference and the speed-up baseline)"),
         Method("prompt-lookup", "prompt-lookup", description=f"prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}"),
+        Method("default", "drafter", lookup=True, policy="as-user",
+               description="what a user gets: the drafter with the round policy tuned for this machine and temperature "
+               "(or HF_RETRACE_POLICY), plain decoding where drafting does not pay"),
+        Method("shipped", "drafter", lookup=True, policy="shipped",
+               description="the drafter with the static round policy its config ships (no tuning, no guard)"),
+        *[
+            Method(f"static-{'full' if cut is None else cut}-{cap}", "drafter", lookup=True, policy="static",
+                   static=(cut, 2, cap), description=f"a static policy: confidence cut {cut}, lookup start 2 cap {cap}")
+            for cut in STATIC_CUTS
+            for cap in STATIC_CAPS
+        ],
         Method("dflash-native", "native", description='transformers speculation_type="dflash", same DFlash weights '
                "(at T>0 it samples its drafts and verifies by rejection sampling)"),
-        Method("dflash", "drafter", description="our drafter, ReTrace off (at T>0 the drafter's proposal_mode "
-               "decides: argmax = sample-and-match, the default; sample = rejection sampling)"),
+        Method("dflash", "drafter", description="our drafter alone (no lookup), ReTrace off, the tuned cut and proposal "
+               "mode (argmax = sample-and-match; sample = rejection sampling)"),
         Method("retrace", "drafter", use_retrace=True, description="our drafter, ReTrace on"),
         Method("dflash-full-block", "drafter", full_block=True,
                description="our drafter, ReTrace off, adaptive block cut off (every round drafts the whole block)"),
@@ -70,7 +108,7 @@ ALL_METHODS: dict[str, Method] = {
         ],
     ]
 }
-DEFAULT_METHODS = ("plain", "prompt-lookup", "dflash-native", "dflash", "retrace")
+DEFAULT_METHODS = ("plain", "prompt-lookup", "default", "shipped", "dflash")
 # the NAMEs of --drafter NAME=PATH: a drafting method, or an ablation (its own drafter for retrace-ABLATION)
 OWN_DRAFTER_NAMES = frozenset([*[n for n, m in ALL_METHODS.items() if m.needs_drafter],
                                *[a for a in RETRACE_ABLATIONS if a != "full"]])

@@ -40,6 +40,9 @@ class BenchSpec:
     drafters: dict[str, str] = field(default_factory=dict)  # "default" or a method / ablation name -> path
     dtype: str = "bf16"
     quantization: str | None = None
+    device: str | None = None  # None: the CPU (loading.load_target)
+    device_map: str | dict | None = None
+    compile: bool = False  # torch.compile the drafters' forward
     warmup: bool = True
     progress: bool = True
 

@@ -1,4 +1,4 @@
-"""Per call, set a method's drafter switches and record its drafting rounds into a ``GenerationStats``.
+"""Per call, record the drafting rounds of transformers' own generators into a ``GenerationStats``.
 
 hf_retrace's generator records its own rounds (``drafter.last_stats``); transformers' generators (prompt lookup,
 native DFlash) are recorded by wrapping their two methods for the one call. As in hf_retrace's generator, the
@@ -13,29 +13,10 @@ from typing import Any, Iterator
 
 import torch
 
+from ..generation.placement import synchronize
 from ..stats import GenerationStats
-from .methods import Method
 
-__all__ = ["drafter_switches", "recording_rounds"]
-
-
-@contextmanager
-def drafter_switches(drafter: Any, method: Method) -> Iterator[None]:
-    """The method's settings on the drafter's config(s) for one call; the drafter's own settings restored after."""
-    configs = {id(c): c for c in (drafter.config, getattr(drafter.retrace, "config", None)) if c is not None}
-    settings = {"use_retrace": method.use_retrace, "retrace_ablation": method.ablation, "lookup": method.lookup}
-    if method.full_block:
-        settings["draft_confidence_threshold"] = None
-    saved = [(c, {k: getattr(c, k, None) for k in settings}) for c in configs.values()]
-    for c in configs.values():
-        for k, v in settings.items():
-            setattr(c, k, v)
-    try:
-        yield
-    finally:
-        for c, old in saved:
-            for k, v in old.items():
-                setattr(c, k, v)
+__all__ = ["recording_rounds"]
 
 
 @contextmanager
@@ -76,6 +57,7 @@ def _record_generator(generator: Any, stats: GenerationStats) -> None:
         # the first call precedes (prompt lookup) or skips (DFlash) the prefill: it is never a drafting round
         state["drafted"] = candidates.shape[1] - input_ids.shape[1] if state["calls"] > 1 else 0
         if state["drafted"] > 0:
+            synchronize(candidates.device)  # the drafting's queued work belongs to the draft time, not the verify's
             stats.draft_seconds += time.perf_counter() - started
         state["verify_started"] = time.perf_counter()
         return candidates, logits

@@ -1,6 +1,6 @@
 """The records of a benchmark report: one :class:`BenchRow` per dataset x method x temperature, with its requests
 and its T=0 divergences. ``to_dict`` writes the report's JSON row; ``from_dict`` reads one back, from this version's
-reports and from older ones. Pure data: no model, no torch."""
+reports and from older ones. Pure data: no model, no tensors."""
 
 from __future__ import annotations
 
@@ -8,21 +8,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..divergence import Divergence  # the one classifier's record, shared with `hf-retrace generate`
+
 __all__ = ["BenchRow", "Divergence", "RequestDivergence", "RequestSummary", "report_rows"]
-
-
-@dataclass
-class Divergence:
-    """Where a T=0 output first left plain ``generate``'s, and how close the target's top-2 logits were there."""
-
-    position: int  # index among the new tokens
-    plain_token: int | None
-    method_token: int | None
-    top2_gap: float  # target logit of its best token minus its second best, at that position
-    chosen_gap: float | None  # logit[plain's token] - logit[the method's token]
-    logit_magnitude: float
-    bf16_ulp: float
-    verdict: str  # "near-tie" (numerics) or "bug"
 
 
 @dataclass
@@ -107,6 +95,8 @@ class BenchRow:
     uncompared_requests: int
     divergences: list[RequestDivergence]
     per_request: list[RequestSummary]
+    policy: str | None = None  # the round policy the method ran (RoundPolicy.describe()); older reports lack it
+    guard_plain_steps: int | None = None  # positions the guard decoded plainly (recent rounds below plain)
 
     def to_dict(self) -> dict[str, Any]:
         """The report's JSON row: plain lists, dicts, numbers and strings."""

@@ -68,12 +68,25 @@ def markdown_report(report: dict[str, Any]) -> str:
             f"{_fmt(row.lookup_round_share, '.0%')} | {_fmt(row.kept_suffix_rate, '.0%')} | "
             f"{_fmt(row.kept_token_commit_rate, '.0%')} | {_mismatch_cell(row)} |"
         )
-    lines += _per_position_table(rows) + _divergence_table(rows)
+    lines += _policy_lines(rows) + _per_position_table(rows) + _divergence_table(rows)
     for method, reason in report["skipped"].items():
         lines.append(f"\n{method}: {reason}")
     for note in report["notes"]:
         lines.append(f"\nNote: {note}")
     return "\n".join(lines) + "\n"
+
+
+def _policy_lines(rows: list[BenchRow]) -> list[str]:
+    """The round policy each drafting method ran, per temperature (once per distinct policy; older reports: none)."""
+    seen: dict[tuple[str, float], str] = {}
+    for row in rows:
+        if row.policy:
+            seen.setdefault((row.method, row.temperature), row.policy)
+    if not seen:
+        return []
+    lines = ["", "Round policies (RoundPolicy.describe(); guard back-offs counted per row in the JSON):", ""]
+    lines += [f"- {method}, T={temperature:g}: {policy}" for (method, temperature), policy in seen.items()]
+    return lines
 
 
 def _per_position_table(rows: list[BenchRow]) -> list[str]:

@@ -96,11 +96,15 @@ def run_benchmark(spec: BenchSpec, plan: BenchPlan | None = None) -> dict[str, A
 
 def load_models(plan: BenchPlan) -> tuple[Any, Any, dict[str, Any]]:
     """(target, tokenizer, {drafter path: drafter}), loaded through :mod:`hf_retrace.loading`."""
+    from ..generation.placement import embedding_device
     from ..loading import load_drafter, load_target
 
     spec = plan.spec
-    target, tokenizer = load_target(plan.target_path, spec.dtype, spec.quantization)
-    drafters = {path: load_drafter(path, spec.dtype) for path in dict.fromkeys(plan.drafter_paths.values())}
+    target, tokenizer = load_target(plan.target_path, spec.dtype, spec.quantization, device=spec.device,
+                                    device_map=spec.device_map)
+    device = embedding_device(target)  # where every drafter runs
+    drafters = {path: load_drafter(path, spec.dtype, device=device, compile=spec.compile)
+                for path in dict.fromkeys(plan.drafter_paths.values())}
     return target, tokenizer, drafters
 
 
@@ -167,6 +171,9 @@ def _settings(plan: BenchPlan) -> dict[str, Any]:
         "limit": spec.limit,
         "dtype": spec.dtype,
         "quantization": spec.quantization,
+        "device": spec.device,
+        "device_map": spec.device_map,
+        "compile": spec.compile,
         "warmup": spec.warmup,
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
         "near_tie_ulps": NEAR_TIE_ULPS,

@@ -46,10 +46,13 @@ def summarize(dataset: str, turns: list[TurnResult], method: Method, plain_secon
         **acceptance,
         **_costs(pooled, method, plain_seconds_per_token, acceptance["tau_per_round"], speedup),
         kept_suffix_rate=pooled.kept_suffix_rate if keeps_suffixes else None,
-        kept_token_commit_rate=pooled.kept_token_commit_rate if keeps_suffixes else None,
+        # scored only where the method asks for it (RoundPolicy.kept_suffix_stats: ReTrace and full-block methods)
+        kept_token_commit_rate=pooled.kept_token_commit_rate if keeps_suffixes and pooled.kept_tokens else None,
         # the round's shape: mean drafted length (the adaptive block), and which source drafted (the hybrid)
         mean_draft_length=(sum(pooled.draft_lengths) / len(pooled.draft_lengths)) if pooled.draft_lengths else None,
         lookup_round_share=pooled.lookup_rounds / pooled.rounds if keeps_suffixes else None,
+        policy=pooled.policy or None if method.kind == "drafter" else None,
+        guard_plain_steps=pooled.guard_plain_steps if method.kind == "drafter" else None,
         **_losslessness(turns, temperature),
         per_request=[_request_summary(t) for t in turns],
     )

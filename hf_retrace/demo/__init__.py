@@ -1,6 +1,7 @@
 """``hf-retrace demo``: a Gradio page showing ReTrace drafting, being rejected and recovering, next to plain decoding.
 
-Importing this module is cheap (argparse only): gradio, torch and the models are imported when the command runs.
+Building the parser needs nothing more than ``import hf_retrace`` did (transformers and torch): gradio and the page
+are imported, and the models loaded, when the command runs.
 The page lives in :mod:`hf_retrace.demo.app` (``build_app``, ``launch``), the engine in :mod:`hf_retrace.demo.engine`.
 """
 
@@ -8,11 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import re
 import sys
 from pathlib import Path
 
-from ..loading import MAX_NEW_TOKENS, SHORT_DTYPES, dtype_arg
+from ..loading import MAX_NEW_TOKENS, SHORT_DTYPES, add_device_arguments, dtype_arg
 
 __all__ = ["register", "cmd_demo"]
 
@@ -27,8 +29,11 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     p.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--drafter", default=None, help="Hub id or folder (default: the drafter shipped for the target)")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--host", default=None,
+                   help="address to listen on (0.0.0.0: every interface; default: $GRADIO_SERVER_NAME, else 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None,
+                   help="port to listen on (default: $GRADIO_SERVER_PORT, else the first free one from 7860, as "
+                   "gradio does)")
     p.add_argument("--share", action="store_true", default=False, help="also open a public *.gradio.live link")
     p.add_argument("--allow-custom-drafters", action="store_true", default=False,
                    help="let the page load drafter folders from this machine's disk even when others can reach it "
@@ -38,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=2, help="requests generating at the same time (queue beyond)")
     p.add_argument("--max-new-tokens", type=int, default=1024, help="the largest answer length a request may ask for")
     p.add_argument("--no-warmup", action="store_true", help="skip the short warm-up generate calls at start")
+    add_device_arguments(p)
     p.set_defaults(func=cmd_demo)
     return p
 
@@ -67,6 +73,17 @@ def _check_drafter_arg(drafter: str | None) -> str | None:
     return _not_a_hub_id("--drafter", drafter)
 
 
+def _check_gradio_env() -> str | None:
+    """A message when ``GRADIO_SERVER_PORT`` is set but is no port (gradio itself would fail on import with a bare
+    ``ValueError``). ``--host`` / ``--port`` left unset leave both variables to gradio, which reads them as usual."""
+    value = os.environ.get("GRADIO_SERVER_PORT")
+    if value is None:
+        return None
+    if not value.strip().isdigit() or not 1 <= int(value) <= 65535:
+        return f"GRADIO_SERVER_PORT={value!r} is not a port in 1..65535; unset it or pass --port."
+    return None
+
+
 def _not_a_hub_id(flag: str, value: str) -> str | None:
     """A message when ``value`` is neither an existing folder nor shaped like a Hub id (``owner/name``)."""
     if re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith((".", "/")):
@@ -75,8 +92,11 @@ def _not_a_hub_id(flag: str, value: str) -> str | None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    if not 1 <= args.port <= 65535:
+    if args.port is not None and not 1 <= args.port <= 65535:
         return _fail(f"--port must be in 1..65535, got {args.port}.")
+    message = _check_gradio_env()
+    if message:
+        return _fail(message)
     if args.concurrency < 1:
         return _fail(f"--concurrency must be at least 1, got {args.concurrency}.")
     if not 1 <= args.max_new_tokens <= MAX_NEW_TOKENS:
@@ -98,6 +118,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
             args.target,
             args.drafter,
             dtype=args.dtype,
+            device=args.device,
+            device_map=args.device_map,
             limits=Limits(max_new_tokens=args.max_new_tokens),
             warmup=not args.no_warmup,
         )

@@ -241,8 +241,8 @@ def is_private(host: str | None, share: bool = False) -> bool:
 
 def launch(
     app: Any,
-    host: str = "127.0.0.1",
-    port: int | None = 7860,
+    host: str | None = None,
+    port: int | None = None,
     share: bool = False,
     *,
     allow_custom_drafters: bool | None = None,
@@ -250,6 +250,8 @@ def launch(
 ):
     """Serve ``app`` (blocks until stopped unless ``prevent_thread_lock=True``).
 
+    ``host`` / ``port`` left ``None`` are gradio's to choose, as in ``gr.Blocks.launch``: ``GRADIO_SERVER_NAME`` (else
+    127.0.0.1) and ``GRADIO_SERVER_PORT`` (else the first free port from 7860); a value given wins over them.
     The page's drafter-folder box loads folders from the server's disk, so it is on only for a private server
     (:func:`is_private`: a loopback ``host`` and no ``share`` link). ``allow_custom_drafters=True`` turns it on for
     everyone who reaches the server (a trusted network only); ``False`` turns it off everywhere.
@@ -259,7 +261,8 @@ def launch(
         if allow_custom_drafters is None:
             allow_custom_drafters = page.engine.allow_custom_drafters and is_private(host, share)
         elif allow_custom_drafters and not is_private(host, share):
-            logger.warning("the page loads drafter folders from this server's disk for anyone who reaches %s", host)
+            logger.warning("the page loads drafter folders from this server's disk for anyone who reaches %s",
+                           host or os.environ.get("GRADIO_SERVER_NAME"))
         page.allow_custom_drafters(allow_custom_drafters)
     kwargs.setdefault("show_error", True)
     kwargs.setdefault("ssr_mode", False)  # SSR needs Node.js and adds nothing here

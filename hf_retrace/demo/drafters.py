@@ -3,7 +3,6 @@ folders a request names (loaded once, the two newest kept)."""
 
 from __future__ import annotations
 
-import copy
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -15,14 +14,9 @@ from .limits import METHODS, DemoError
 
 
 def drafter_view(drafter: Any, use_retrace: bool) -> Any:
-    """The same drafter (shared weights and modules) with a config of its own where ``use_retrace`` is fixed.
-
-    A shallow copy shares ``_parameters``/``_modules``; only ``config`` is replaced. Nothing is mutated per request.
-    """
-    view = copy.copy(drafter)
-    view.config = copy.deepcopy(drafter.config)
-    view.config.use_retrace = use_retrace
-    return view
+    """The same drafter (shared weights and modules) whose calls run ReTrace on or off on top of their round policy
+    (``drafter.with_policy``). Nothing is mutated per request."""
+    return drafter.with_policy(retrace=use_retrace)
 
 
 @dataclass(frozen=True)

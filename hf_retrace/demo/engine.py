@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..generation.dispatch import check_target
+from ..generation.dispatch import check_context, check_target
 from ..sampling import sampling_kwargs
 from ..side_by_side import chat_input_ids
 from .drafters import DrafterFolders, DrafterViews
@@ -59,13 +59,15 @@ class DemoEngine:
 
     @classmethod
     def from_pretrained(
-        cls, target: str | None = None, drafter: str | None = None, dtype: str = "fp32", **kwargs: Any
+        cls, target: str | None = None, drafter: str | None = None, dtype: str = "fp32", device: str | None = None,
+        device_map: Any = None, **kwargs: Any
     ) -> "DemoEngine":
-        """Load a target/drafter pair (Hub ids or folders; ``None``: the embedded default) with ``load_pair``."""
+        """Load a target/drafter pair (Hub ids or folders; ``None``: the embedded default) with ``load_pair``, on
+        ``device`` or placed by ``device_map`` (default: the CPU)."""
         from ..loading import load_pair
 
         try:
-            model, tokenizer, draft_model = load_pair(target, drafter, dtype)
+            model, tokenizer, draft_model = load_pair(target, drafter, dtype, device=device, device_map=device_map)
         except Exception as exc:  # noqa: BLE001 - every loading failure becomes one readable line
             raise DemoError(f"could not load target={target or 'default'} drafter={drafter or 'default'}: "
                             f"{type(exc).__name__}: {exc}") from exc
@@ -101,10 +103,10 @@ class DemoEngine:
         return ids
 
     def _check_context(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        limit = getattr(self.target.config.get_text_config(), "max_position_embeddings", None)
-        if limit and input_ids.shape[1] + max_new_tokens > limit:
-            raise DemoError(f"prompt ({input_ids.shape[1]} tokens) + {max_new_tokens} new tokens exceeds the "
-                            f"target's context of {limit} positions.")
+        try:  # the library's rule (dispatch.check_context); the page also counts the new tokens
+            check_context(self.target, input_ids.shape[1], max_new_tokens)
+        except ValueError as error:
+            raise DemoError(str(error)) from None
 
     def stream(
         self,

@@ -22,23 +22,12 @@ from transformers.generation.logits_process import (
 
 from ..retrace import PendingSuffix
 from ..stats import GenerationStats, last_stats_slot
-from .lookup import ContextLookup, first_lookup_budget, next_lookup_budget
+from .lookup import ContextLookup
+from .policy import RoundPolicy
 from .target_features import TargetTap
 
-PROPOSAL_MODES = ("argmax", "sample")
 # warpers that never change which token has the largest logit: argmax proposals can skip them
 _ARGMAX_PRESERVING = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
-
-
-def confident_prefix(confidences: Sequence[float], threshold: float | None) -> int:
-    """How many slots a round drafts (the adaptive block): slot 1 always, then each next slot while its top
-    probability stays at or above ``threshold`` (``None``: the whole block). The calibration replays this rule."""
-    if threshold is None:
-        return len(confidences)
-    k = 1
-    while k < len(confidences) and confidences[k] >= threshold:
-        k += 1
-    return k
 
 
 @dataclass
@@ -69,22 +58,22 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None,
         prompt_length: int,
-        proposal_mode: str = "argmax",
+        policy: RoundPolicy | None = None,
     ):
-        if proposal_mode not in PROPOSAL_MODES:
-            raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}, got {proposal_mode!r}.")
+        policy = policy if policy is not None else RoundPolicy()
+        self.policy = policy
         self.drafter, self.target = drafter, target
         self.prompt_length = prompt_length
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
-        # sliced (and cast to the drafter's dtype) once per call, not per round
-        self.draft_head = drafter.draft_head_weight(self.lm_head).to(drafter.dtype)
+        # sliced once per call, not per round; kept in the head's dtype (rows are cast): a full head is never copied
+        self.draft_head = drafter.draft_head_weight(self.lm_head)
         self.draft_vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.to(self.draft_head.device)
         self.vocab_size = self.lm_head.weight.shape[0]
         self.block_size = drafter.config.block_size
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
-        self.sampled_proposals = self.do_sample and proposal_mode == "sample"
+        self.sampled_proposals = self.do_sample and policy.proposal_mode == "sample"
         processors = list(logits_processor or [])
         if not self.sampled_proposals:
             processors = [p for p in processors if not isinstance(p, _ARGMAX_PRESERVING)]
@@ -96,23 +85,18 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.tap = TargetTap(target, drafter.config.target_layer_ids, bool(generation_config.output_hidden_states))
         self.requires_model_outputs = self.tap.uses_model_outputs
         self.model_kwargs_overrides = self.tap.model_kwargs_overrides
-        # run-time choices are read once per call: a caller changing the shared config mid-call changes nothing here
-        self.use_retrace = drafter.retrace is not None and drafter.config.retrace_enabled
-        self.retrace_ablation = drafter.config.retrace_ablation
+        self.use_retrace = drafter.retrace is not None and policy.retrace
         self.cache = DynamicCache()
         self.context_length = 0  # positions whose target states the generator has read (cached or pending)
         self.cache_length = 0  # positions whose context K/V the drafter cache holds
         self.pending_context: torch.Tensor | None = None  # rows read on lookup rounds, not yet in the cache
-        config = drafter.config
-        self.confidence_threshold = config.draft_confidence_threshold
-        self.lookup = ContextLookup(config.lookup_max_ngram) if config.lookup else None
-        self.lookup_min_ngram, self.lookup_num_tokens = config.lookup_min_ngram, config.lookup_num_tokens
-        self.lookup_start_tokens = config.lookup_start_tokens
-        self.lookup_budget = first_lookup_budget(self.lookup_start_tokens, self.lookup_num_tokens)
+        self.lookup = ContextLookup(policy.lookup_max_ngram) if policy.lookup else None
+        self.lookup_budget = policy.first_lookup_budget()
+        self.guard = policy.guard()  # never slower than plain within the call (None: the costs are not known)
         self.draft_round: DraftRound | None = None
         self.rejected_suffix: PendingSuffix | None = None  # completed by the next call's verification window
         self.kept_pending: list[tuple[int, int]] = []  # (position, rejected token) awaiting the committed token
-        self.stats = GenerationStats()
+        self.stats = GenerationStats(policy=policy.describe())
         last_stats_slot(drafter).set(self.stats)
         self._verify_started = 0.0
 
@@ -140,6 +124,10 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         num_drafts = min(self.max_drafts, self.max_length - cur_len - 1)
         if num_drafts <= 0:
             return input_ids, None
+        if self.guard is not None and not self.guard.drafts_at(anchor_position):  # backed off: the target steps alone
+            self._hold_context(fresh)
+            self.stats.guard_plain_steps += 1
+            return input_ids, None
         if self.lookup is not None:
             budget = min(self.lookup_budget, self.max_length - cur_len - 1)
             candidates = self._lookup_round(input_ids, fresh, anchor_position, budget, started)
@@ -150,7 +138,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         if self.pending_context is not None:
             fresh, self.pending_context = torch.cat([self.pending_context, fresh], dim=1), None
         block = self.drafter.block_embeddings(input_ids[:, -1].to(self.drafter.device), self.embed_tokens, aligned,
-                                              self.retrace_ablation)
+                                              self.policy.retrace_ablation)
         positions = torch.arange(self.cache_length, anchor_position + self.block_size, device=block.device)
         hidden = self.drafter(
             target_hidden=fresh,
@@ -192,16 +180,20 @@ class ReTraceCandidateGenerator(CandidateGenerator):
     def _read_verdict(self, draft: DraftRound, accepted: int, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         k = draft.tokens.shape[0]
         self.stats.record_round(k, accepted, draft.fused, source="lookup" if draft.from_lookup else "drafter")
-        self._score_kept_tokens(input_ids)
+        if self.guard is not None:
+            self.guard.record(draft.anchor_position, k, accepted, draft.from_lookup)
+        if self.policy.kept_suffix_stats:
+            self._score_kept_tokens(input_ids)
         if draft.from_lookup:
-            self.lookup_budget = next_lookup_budget(k, accepted, self.lookup_start_tokens, self.lookup_num_tokens)
+            self.lookup_budget = self.policy.next_lookup_budget(k, accepted)
             return  # ReTrace keeps the drafter's own trajectories only
         if accepted + 1 >= k:  # nothing beyond the first rejection (or all accepted): nothing to keep
             return
         slots = torch.arange(accepted + 2, k + 1, device=draft.tokens.device)  # 1-based slots j = n+2 .. k
         rejected = draft.tokens[slots - 1]
         self.stats.rounds_with_kept_suffix += 1
-        self.kept_pending += list(zip((draft.anchor_position + slots).tolist(), rejected.tolist()))
+        if self.policy.kept_suffix_stats:  # research statistics: host transfers, off the hot path unless asked for
+            self.kept_pending += list(zip((draft.anchor_position + slots).tolist(), rejected.tolist()))
         if not self.use_retrace:
             return
         target_p, target_t = scores[0, slots - 1].float().softmax(-1).max(-1)  # row j-1 predicts position s+j
@@ -222,17 +214,41 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         and no rejected suffix is kept (ReTrace conditions on the drafter's own trajectories only).
         """
         self.lookup.extend(input_ids[0, len(self.lookup) :].tolist())
-        matched, continuation = self.lookup.propose(num_drafts, self.lookup_min_ngram)
+        matched, continuation = self.lookup.propose(num_drafts, self.policy.lookup_min_ngram)
         if not matched:
             return None
-        if self.pending_context is not None:
-            fresh = torch.cat([self.pending_context, fresh], dim=1)
-        self.pending_context, self.rejected_suffix = fresh, None
         draft_tokens = self._cut_after_eos(torch.tensor([continuation], dtype=input_ids.dtype, device=input_ids.device))
+        draft_tokens = self._allowed_copy(input_ids, draft_tokens)
+        if draft_tokens.shape[1] == 0:
+            return None
+        self._hold_context(fresh)
         self.draft_round = DraftRound(anchor_position, draft_tokens[0], None, False)
         self.stats.draft_seconds += time.perf_counter() - started
         self._verify_started = time.perf_counter()
         return torch.cat([input_ids, draft_tokens], dim=-1)
+
+    def _allowed_copy(self, input_ids: torch.Tensor, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """A lookup copy up to its first token that the call's rule-based processors forbid after its prefix (e.g.
+        ``no_repeat_ngram_size`` bans exactly the repeats lookup copies): such a token can never be accepted."""
+        rules = [p for p in self.logits_processor if not isinstance(p, _ARGMAX_PRESERVING)]
+        if not rules:
+            return draft_tokens
+        ids = input_ids
+        for i in range(draft_tokens.shape[1]):
+            scores = torch.zeros((1, self.vocab_size), device=input_ids.device)
+            for processor in rules:
+                scores = processor(ids, scores)
+            if not bool(scores[0, draft_tokens[0, i]] > float("-inf")):
+                return draft_tokens[:, :i]
+            ids = torch.cat([ids, draft_tokens[:, i : i + 1]], dim=-1)
+        return draft_tokens
+
+    def _hold_context(self, fresh: torch.Tensor) -> None:
+        """Keep the new context rows for the next drafter round (this round runs no drafter forward); a rejected
+        suffix is dropped (ReTrace conditions on the drafter's own consecutive trajectories only)."""
+        if self.pending_context is not None:
+            fresh = torch.cat([self.pending_context, fresh], dim=1)
+        self.pending_context, self.rejected_suffix = fresh, None
 
     def _confident_logits(self, drafter_hidden: torch.Tensor) -> torch.Tensor:
         """Draft logits of the slots to draft: all, or up to the first below the confidence threshold (>= 1 slot).
@@ -241,7 +257,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         a bf16 head costs in proportion to its rows on CPUs without bf16 units, and most rounds stop early.
         """
         total = drafter_hidden.shape[1]
-        if self.confidence_threshold is None or total <= 1:
+        if self.policy.confidence_cut is None or total <= 1:
             return self._draft_logits(drafter_hidden)
         chunks, tops, done, size = [], [], 0, 2
         while done < total:
@@ -250,7 +266,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
             tops += logits[0].softmax(-1).amax(-1).tolist()
             done += logits.shape[1]
             size *= 2
-            keep = confident_prefix(tops, self.confidence_threshold)
+            keep = self.policy.cut(tops)
             if keep < len(tops):  # an unconfident slot among those scored: the rest of the head is not needed
                 break
         self.stats.slot_confidences.append(tops[:keep])
@@ -283,11 +299,11 @@ class ReTraceCandidateGenerator(CandidateGenerator):
 
         The block ends before a slot where the processors leave no token of the draft vocabulary (see ``_process``).
         """
-        logits = logits.to(input_ids.device)
         if len(self.logits_processor) == 0 and not self.sampled_proposals:
-            best = logits.argmax(-1)
-            return (best if self.draft_vocab is None else self.draft_vocab[best].to(best.device)), logits
-        logits = self._full_vocab(logits)
+            best = logits.argmax(-1)  # on the head's device, as the draft vocabulary
+            best = best if self.draft_vocab is None else self.draft_vocab[best]
+            return best.to(input_ids.device), logits.to(input_ids.device)
+        logits = self._full_vocab(logits).to(input_ids.device)
         ids = input_ids
         for i in range(logits.shape[1]):
             processed = self._process(ids, logits[:, i])

@@ -18,7 +18,10 @@ from transformers.generation import SynthIDTextWatermarkingConfig
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..configuration import drafter_target_mismatches
+from ..stats import GenerationStats, last_stats_slot
 from .candidate_generator import ReTraceCandidateGenerator
+from .placement import place_drafter
+from .policy import RoundPolicy, resolve_policy
 from .stopping import PerTokenStopping, StopAwareStreamer
 
 _WRAPPED = "_hf_retrace_wrapped"
@@ -31,7 +34,8 @@ def is_drafter(assistant_model: Any) -> bool:
 
 
 def check_target(drafter: Any, target: Any) -> None:
-    """Raise a ValueError saying what to do when ``drafter`` cannot draft for ``target``."""
+    """Raise a ValueError saying what to do when ``drafter`` cannot draft for ``target``; put the drafter on the device
+    of the target's input embeddings (:func:`~.placement.place_drafter`)."""
     name = getattr(target.config, "_name_or_path", "") or type(target).__name__
     if target.get_input_embeddings() is None or target.get_output_embeddings() is None:
         raise ValueError(f"The target {name} must expose input embeddings and an lm_head for the drafter to borrow.")
@@ -42,6 +46,7 @@ def check_target(drafter: Any, target: Any) -> None:
             "target's embeddings, lm_head and hidden states, so it only works with the target (family) it was "
             "trained for: load the drafter trained for this target."
         )
+    place_drafter(drafter, target)
 
 
 # generate settings that choose another drafting method; with an hf_retrace drafter they would be silently ignored
@@ -109,7 +114,7 @@ def check_generation_mode(generation_mode: Any, generation_config: Any) -> None:
         raise ValueError(
             f"This call passes an hf_retrace drafter together with another speculation setting ({settings}); only one "
             "can draft. Drop that setting to use the drafter, or drop `assistant_model` to use it. (For the drafter "
-            "plus context lookup in one generator, set `drafter.config.lookup = True`.)"
+            "plus context lookup in one generator, pass `drafter.with_policy(lookup=True)`.)"
         )
     problems = _refusals(generation_config)
     if problems:
@@ -119,6 +124,30 @@ def check_generation_mode(generation_mode: Any, generation_config: Any) -> None:
             f"num_return_sequences={generation_config.num_return_sequences}: speculative decoding produces one "
             "sequence per call. Call generate once per sample (with do_sample=True), or drop `assistant_model`."
         )
+
+
+def check_context(target: Any, prompt_length: int, max_new_tokens: int = 0) -> None:
+    """Raise a ValueError, before the target runs, when a prompt of ``prompt_length`` tokens (plus ``max_new_tokens``,
+    for a caller that also limits the answer) does not fit the target's context, its ``max_position_embeddings``.
+
+    The one rule for the library (every call with a drafter checks the prompt), ``hf-retrace generate`` and the demo
+    (which also counts the new tokens). Targets that declare no context length are not checked.
+    Example: ``check_context(target, input_ids.shape[1])``.
+    """
+    context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if not context or prompt_length + max_new_tokens <= context:
+        return
+    name = getattr(target.config, "_name_or_path", "") or type(target).__name__
+    if max_new_tokens:
+        asked = f"prompt ({prompt_length} tokens) + {max_new_tokens} new tokens = {prompt_length + max_new_tokens}"
+        fix = f"shorten the prompt to at most {max(context - max_new_tokens, 0)} tokens or ask for fewer new tokens"
+    else:
+        asked, fix = f"prompt of {prompt_length} tokens", f"shorten it to at most {context} tokens"
+    raise ValueError(
+        f"The {asked} exceeds the context of the target {name}: {context} positions (max_position_embeddings), "
+        f"{prompt_length + max_new_tokens - context} too many. Past its context a target's output is not meaningful "
+        f"(and the prompt alone would take long to run): {fix}."
+    )
 
 
 def build_candidate_generator(
@@ -137,6 +166,7 @@ def build_candidate_generator(
             f"hf_retrace speculative decoding runs one sequence at a time, got a batch of {input_ids.shape[0]}. "
             "Call generate once per prompt (transformers' assisted loop supports batch size 1 only)."
         )
+    check_context(target, input_ids.shape[1])
     model_kwargs = model_kwargs or {}
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
@@ -148,13 +178,14 @@ def build_candidate_generator(
     if attention_mask is not None and not bool(attention_mask.all()):
         raise ValueError("The prompt's attention_mask has padding; pass the unpadded prompt (batch size 1).")
     check_target(assistant_model, target)
+    policy = _CALLS.__dict__.pop("policy", None) or resolve_policy(assistant_model, target, generation_config)
     generator = ReTraceCandidateGenerator(
         assistant_model,
         target,
         generation_config,
         logits_processor,
         prompt_length=input_ids.shape[1],
-        proposal_mode=assistant_model.proposal_mode,
+        policy=policy,
     )
     stack = getattr(_CALLS, "stack", None)
     if stack:
@@ -202,10 +233,38 @@ def _stop_per_token(original, self, args: tuple, kwargs: dict, generators: list)
     if criteria is None or input_ids is None or input_ids.shape[0] != 1:
         return args, kwargs, None
     stopping = PerTokenStopping(criteria, input_ids.shape[1], generators)
+    model_kwargs = bound.arguments.get("model_kwargs") or {}
+    stopping.cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # cropped with the output
     bound.arguments["stopping_criteria"] = stopping
     if bound.arguments.get("streamer") is not None:
         bound.arguments["streamer"] = StopAwareStreamer(bound.arguments["streamer"], stopping)
     return bound.args[1:], bound.kwargs, stopping
+
+
+def _call_policy(original, self, args: tuple, kwargs: dict, pending: list) -> RoundPolicy | None:
+    """The round policy of this assisted call (None when the assistant is not an hf_retrace drafter)."""
+    if pending:  # built before the loop (transformers 4.57): the generator resolved it
+        return pending[0].policy
+    drafter = kwargs.get("assistant_model")
+    if not is_drafter(drafter):
+        return None
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    return resolve_policy(drafter, self, bound.arguments.get("generation_config"))
+
+
+def _decode_plainly(self, original, args: tuple, kwargs: dict, policy: RoundPolicy):
+    """The call as plain ``generate`` runs it (``_sample``: greedy or sampling), no drafter forward; the drafter's
+    ``last_stats`` says which policy decided so, and why."""
+    bound = inspect.signature(original).bind(self, *args, **kwargs)
+    arguments = dict(bound.arguments)
+    arguments.pop("self", None)
+    drafter = arguments.pop("assistant_model", None)
+    for name in ("inputs_tensor", "assistant_tokenizer", "tokenizer"):
+        arguments.pop(name, None)
+    model_kwargs = arguments.pop("model_kwargs", {})
+    if drafter is not None:
+        last_stats_slot(drafter).set(GenerationStats(policy=policy.describe()))
+    return type(self)._sample(self, **arguments, **model_kwargs)
 
 
 def _wrap_assisted_decoding(original):
@@ -215,11 +274,16 @@ def _wrap_assisted_decoding(original):
         stack.append(pending)
         stopping = None
         try:
-            if pending or is_drafter(kwargs.get("assistant_model")):  # our call: stop where plain decoding stops
+            policy = _call_policy(original, self, args, kwargs, pending)
+            if policy is not None and not policy.speculate:
+                return _decode_plainly(self, original, args, kwargs, policy)
+            if policy is not None:  # our call: stop where plain decoding stops
+                _CALLS.policy = policy  # the generator built inside the loop (5.x) takes it
                 args, kwargs, stopping = _stop_per_token(original, self, args, kwargs, pending)
             output = original(self, *args, **kwargs)
             return output if stopping is None else stopping.trim(output)
         finally:  # every exit path: the target's layers never keep our hooks after the call
+            _CALLS.__dict__.pop("policy", None)
             for generator in stack.pop():
                 generator.close()
 

@@ -13,7 +13,7 @@ Example::
 
 from __future__ import annotations
 
-__all__ = ["ContextLookup", "first_lookup_budget", "next_lookup_budget"]
+__all__ = ["ContextLookup"]
 
 
 class ContextLookup:
@@ -56,19 +56,3 @@ class ContextLookup:
             return n, continuation
         return 0, []
 
-
-def first_lookup_budget(start: int, cap: int) -> int:
-    """A call's first lookup budget: ``start`` (``lookup_start_tokens``), never above ``cap`` (``lookup_num_tokens``;
-    the config may have been changed after it was checked)."""
-    return min(start, cap)
-
-
-def next_lookup_budget(drafted: int, accepted: int, start: int, cap: int) -> int:
-    """The next lookup round's budget after one that proposed ``drafted`` tokens and had ``accepted`` of them taken.
-
-    A fully accepted block doubles it (the context is looping: longer proposals pay); a rejection drops it back to
-    ``max(start, accepted + 1)``, since on hardware where each verified token costs a fraction of a step long
-    unconfirmed proposals do not pay. Never above ``cap`` (``lookup_num_tokens``).
-    """
-    grown = 2 * drafted if accepted >= drafted else max(start, accepted + 1)
-    return min(grown, cap)

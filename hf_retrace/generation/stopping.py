@@ -7,14 +7,28 @@ committed, as plain decoding would, ends the loop at the first token where one i
 the returned sequence (and per-token scores/logits) there. A streamer sees exactly the tokens plain decoding streams:
 :class:`StopAwareStreamer` holds a round's tokens until the round's stop check has run.
 
+Each criterion is called, for each committed token, with what plain decoding would pass it there: the sequence up to
+that token and ``scores`` up to that token (the loop's tuple of processed scores, one per generated token, when
+``return_dict_in_generate`` and ``output_scores`` are set; ``None`` otherwise, as in plain decoding). Criteria never
+see ``output_logits`` (the loop passes them none, in plain decoding as here).
+
 Time limits (``max_time``) are left to the loop's own check at the end of a round: whether plain decoding would have
 run out of time at an earlier token is not knowable, and the output is cut by time either way. With
 ``return_dict_in_generate``, ``sequences``, ``scores`` and ``logits`` are cut; per-round hidden states and attentions
-are returned as the loop produced them.
+are returned as the loop produced them. The target's cache is cropped to what plain decoding holds at the stop (the
+``sequence length - 1`` positions before the last token), the returned one and a cache the caller passed in alike, so
+that ``generate(out.sequences, past_key_values=out.past_key_values)`` continues as it would after plain decoding
+(:func:`crop_cache`; where a crop cannot be exact, the returned cache is dropped with a warning).
+
+What is exact in fp32 (and float64): the tokens, i.e. ``sequences``, the streamed tokens and where each call stops.
+``scores`` and ``logits`` are the target's own, but from a verify forward over several tokens, which rounds differently
+from one-token decoding: in fp32 they match plain ``generate``'s to about 1e-5 (6e-5 seen on SmolLM2-135M), not bit for
+bit; with a float64 target, to float32 rounding (the loop hands them out in float32). The cache's K/V differ alike.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -62,6 +76,7 @@ class PerTokenStopping(StoppingCriteriaList):
         self.checked = prompt_length  # sequence lengths up to this one have been checked
         self.stop_at: int | None = None  # the sequence length at which plain decoding stops
         self.streamer: StopAwareStreamer | None = None
+        self.cache: Any = None  # the target's cache the loop writes (a caller's own, or the one generate made)
         self._per_token = [c for c in criteria if not isinstance(c, MaxTimeCriteria)]
         self._timed = [c for c in criteria if isinstance(c, MaxTimeCriteria)]
 
@@ -81,7 +96,7 @@ class PerTokenStopping(StoppingCriteriaList):
         start = self.checked
         if self.stop_at is None:
             for end in range(start + 1, length + 1):  # every token the round committed, each criterion once
-                if self._met(self._per_token, input_ids[:, :end], scores, kwargs):
+                if self._met(self._per_token, input_ids[:, :end], self._scores_up_to(scores, end), kwargs):
                     self.stop_at = end
                     break
         self.checked = length
@@ -90,26 +105,90 @@ class PerTokenStopping(StoppingCriteriaList):
         done = self.stop_at is not None or self._met(self._timed, input_ids, scores, kwargs)
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
 
+    def _scores_up_to(self, scores: Any, end: int) -> Any:
+        """What plain decoding passes its criteria after the token at ``end - 1``: the scores of the tokens generated up
+        to it (one per token), not those of the whole round."""
+        if isinstance(scores, (tuple, list)):
+            return tuple(scores[: end - self.prompt_length])
+        return scores  # None (scores not recorded): plain decoding passes None too
+
     def trim(self, output: Any) -> Any:
-        """``output`` cut where plain decoding stops; the call's stats count the tokens returned, not those the last
-        round committed past the stop."""
+        """``output`` cut where plain decoding stops, the target's cache cropped to match; the call's stats count the
+        tokens returned, not those the last round committed past the stop."""
         if self.stop_at is None:
             return output
         for generator in self.generators:
-            generator.stats.new_tokens = min(generator.stats.new_tokens, self.stop_at - self.prompt_length)
-        return trim_output(output, self.stop_at, self.prompt_length)
+            generator.stats.cut_at(self.stop_at - self.prompt_length)
+        return trim_output(output, self.stop_at, self.prompt_length, cache=self.cache)
 
 
-def trim_output(output: Any, stop_at: int | None, prompt_length: int) -> Any:
-    """``output`` of the assisted loop cut to the first ``stop_at`` positions (sequence, scores and logits)."""
+def _returned_cache(output: Any) -> tuple[str | None, Any]:
+    """(field name, cache) of a ``generate`` output: ``cache`` (transformers 5.24+) or ``past_key_values``."""
+    for name in ("cache", "past_key_values"):
+        if name in getattr(output, "keys", lambda: ())():
+            return name, output[name]
+    return None, None
+
+
+def _evicted_layers(cache: Any) -> list[str]:
+    """Layers of ``cache`` that no longer hold every position: cropping them would not give back the states dropped
+    already (a sliding window filled past its size, a recurrent state that cannot roll back)."""
+    if getattr(cache, "is_croppable", True) is False:
+        return [type(cache).__name__]
+    evicted = []
+    for index, layer in enumerate(getattr(cache, "layers", ())):
+        window = getattr(layer, "sliding_window", None)
+        if window and layer.get_seq_length() >= window:
+            evicted.append(f"layer {index} ({type(layer).__name__}, window {window})")
+        elif getattr(layer, "is_croppable", True) is False:
+            evicted.append(f"layer {index} ({type(layer).__name__})")
+    return evicted
+
+
+def crop_cache(cache: Any, length: int) -> bool:
+    """Crop the target's ``cache`` to its first ``length`` positions; False, and ``cache`` untouched, where that crop
+    cannot be exact (:func:`_evicted_layers`, or a cache without ``crop``). A negative ``crop`` removes that many
+    positions in transformers 4.57 and 5.x alike."""
+    excess = cache.get_seq_length() - length
+    if excess <= 0:
+        return True
+    if not hasattr(cache, "crop") or _evicted_layers(cache):
+        return False
+    cache.crop(-excess)
+    return True
+
+
+def trim_output(output: Any, stop_at: int | None, prompt_length: int, cache: Any = None) -> Any:
+    """``output`` of the assisted loop cut to the first ``stop_at`` positions (sequence, scores and logits), and the
+    target's cache (the returned one, and ``cache``, the one the loop wrote) cropped to the ``stop_at - 1`` positions
+    plain decoding holds there (the last token's K/V is never computed)."""
     if stop_at is None:
         return output
+    sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
+    if sequences is None or sequences.shape[1] <= stop_at:
+        return output
+    field, returned = _returned_cache(output)
+    for kept in {id(c): c for c in (returned, cache) if c is not None and hasattr(c, "get_seq_length")}.values():
+        if crop_cache(kept, stop_at - 1):
+            continue
+        if kept is returned:  # a cache that disagrees with the sequence would continue it wrongly: none at all
+            output[field] = None
+            advice = "It is left out of the output (None): continue from the returned sequence alone."
+        elif getattr(kept, "_is_user_defined", False):  # the caller's own (5.x marks it); generate's own is dropped
+            advice = "Do not reuse that cache: continue from the returned sequence with a new one."
+        else:
+            continue
+        warnings.warn(
+            f"generate stopped inside a drafted round, and the target's {type(kept).__name__} cannot be cropped back "
+            f"to the stop ({', '.join(_evicted_layers(kept)) or 'it has no crop'}): it holds "
+            f"{sequences.shape[1] - stop_at} position(s) past the returned sequence. {advice}",
+            stacklevel=3,
+        )
     if isinstance(output, torch.Tensor):
-        return output[:, :stop_at] if output.shape[1] > stop_at else output
-    if getattr(output, "sequences", None) is not None and output.sequences.shape[1] > stop_at:
-        output.sequences = output.sequences[:, :stop_at]
-        for name in ("scores", "logits"):
-            steps = getattr(output, name, None)
-            if steps is not None:
-                setattr(output, name, tuple(steps[: stop_at - prompt_length]))
+        return output[:, :stop_at]
+    output.sequences = output.sequences[:, :stop_at]
+    for name in ("scores", "logits"):
+        steps = getattr(output, name, None)
+        if steps is not None:
+            setattr(output, name, tuple(steps[: stop_at - prompt_length]))
     return output

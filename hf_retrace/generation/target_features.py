@@ -1,4 +1,5 @@
-"""The target's tapped hidden states, taken from the verification pass itself (never an extra target forward).
+"""The target's tapped hidden states: the one tap (:func:`extract_context_feature`, which training uses too) and the
+decoder lookup; inside ``generate``, taken from the verification pass itself (never an extra target forward).
 
 Two sources give the same tensors: transformers' ``requires_model_outputs`` protocol (the loop hands the last
 verification's outputs to ``get_candidates``), where the installed transformers has it, and forward hooks on the
@@ -11,6 +12,7 @@ import functools
 import inspect
 import threading
 import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,9 +59,14 @@ def _cache_argument(model_class: type) -> str:
     return "cache" if "cache" in parameters else "past_key_values"
 
 
+def decoder_of(target: nn.Module) -> nn.Module:
+    """The target's decoder stack: the module holding ``layers`` and the final ``norm``, whose forward skips the
+    ``lm_head`` (the one lookup, for the generation tap, the training features and the ReTrace stage)."""
+    return target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
+
+
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else getattr(target, "model", target)
-    layers = getattr(decoder, "layers", None)
+    layers = getattr(decoder_of(target), "layers", None)
     if layers is None:
         raise ValueError(
             f"Cannot find the decoder layers of {type(target).__name__} (expected `target.get_decoder().layers`)."
@@ -67,12 +74,22 @@ def decoder_layers(target: nn.Module) -> nn.ModuleList:
     return layers
 
 
-class TargetTap:
-    """Concatenated outputs of the target layers ``target_layer_ids`` for the rows of the latest target forward.
+def extract_context_feature(hidden_states: Sequence[torch.Tensor] | Mapping[int, torch.Tensor],
+                            target_layer_ids: Sequence[int]) -> torch.Tensor:
+    """``[..., n * H]``: what the drafter reads, ``concat(hidden_states[i + 1] for i in target_layer_ids)``.
 
-    ``hidden_states[i + 1]`` is the output of decoder layer ``i`` (index 0 is the embeddings); as in transformers'
-    own ``hidden_states``, the last layer's output is taken after the final norm.
+    ``hidden_states`` is indexed like transformers' ``output_hidden_states`` (index 0 is the embeddings, ``i + 1`` the
+    output of decoder layer ``i``, the last one after the final norm). The reference DFlash's function of the same
+    name; the one tap, used by ``generate`` (:class:`TargetTap`), the training features and the ReTrace stage.
     """
+    parts = [hidden_states[i + 1] for i in target_layer_ids]
+    device = parts[0].device  # a target split over devices: the drafter reads them together
+    return torch.cat([part.to(device) for part in parts], dim=-1)
+
+
+class TargetTap:
+    """:func:`extract_context_feature` of the rows of the latest target forward: of its ``hidden_states``, or of
+    what forward hooks captured (the last layer after the final norm, as transformers' own ``hidden_states``)."""
 
     def __init__(self, target: nn.Module, target_layer_ids: list[int], user_wants_hidden_states: bool):
         self.target_layer_ids = list(target_layer_ids)
@@ -91,7 +108,7 @@ class TargetTap:
     def _attach_hooks(self, target: nn.Module) -> None:
         layers = decoder_layers(target)
         last = len(layers) - 1
-        final_norm = getattr(target.get_decoder(), "norm", None) if hasattr(target, "get_decoder") else None
+        final_norm = getattr(decoder_of(target), "norm", None)
         captured = self._captured
         owner = threading.get_ident()  # the generate call's thread: another thread's forwards are not ours
 
@@ -102,7 +119,7 @@ class TargetTap:
                 hidden = output[0] if isinstance(output, tuple) else output
                 if layer_id == last and final_norm is not None:
                     hidden = final_norm(hidden)
-                captured[layer_id] = hidden.detach().clone()
+                captured[layer_id + 1] = hidden.detach().clone()  # indexed as hidden_states
 
             return hook
 
@@ -126,10 +143,5 @@ class TargetTap:
 
     def window(self, model_outputs: Any) -> torch.Tensor:
         """``[1, W, n * H]``: the tapped states of every row the latest target forward computed."""
-        if self.uses_model_outputs:
-            states = model_outputs.hidden_states
-            parts = [states[i + 1] for i in self.target_layer_ids]
-        else:
-            parts = [self._captured[i] for i in self.target_layer_ids]
-        device = parts[0].device
-        return torch.cat([p.to(device) for p in parts], dim=-1)
+        states = model_outputs.hidden_states if self.uses_model_outputs else self._captured
+        return extract_context_feature(states, self.target_layer_ids)

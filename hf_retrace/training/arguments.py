@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..loading import SHORT_DTYPES, dtype_arg
+from ..configuration import RETRACE_ABLATIONS
+from ..loading import SHORT_DTYPES, add_device_arguments, dtype_arg
 from .objective import DEFAULT_GAMMA
 from .precomputed_features import DEFAULT_MAX_BATCH_TOKENS
 
@@ -42,10 +43,9 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output folder: drafter, README.md, logs, checkpoints/")
     p.add_argument("--stage", choices=("backbone", "retrace"), default="backbone",
                    help="backbone: the DFlash drafter; retrace: the fusion module (backbone frozen)")
-    feats = p.add_mutually_exclusive_group()
-    feats.add_argument("--features-dir", default=None,
-                       help="precomputed target features (computed there first if missing/incomplete; resumable)")
-    feats.add_argument("--online", action="store_true", help="target forward inside each step (the default)")
+    p.add_argument("--features-dir", default=None,
+                   help="precomputed target features (computed there first if missing/incomplete; resumable); "
+                        "default: a target forward inside each step")
 
 
 def _add_drafter_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,8 +68,9 @@ def _add_objective_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verification", choices=("exact", "teacher-forced"), default="exact",
                    help="--stage retrace: the target's verdict from a real verify forward over the drafts (exact) "
                         "or from the teacher-forced outputs on the true sequence (cheaper, optimistic)")
-    p.add_argument("--retrace-ablation", choices=("full", "no_correction", "no_gate", "tokens_only"), default="full",
-                   help="--stage retrace: train an ablated fusion module (retrace.md section 8)")
+    p.add_argument("--retrace-ablation", choices=RETRACE_ABLATIONS, default="full",
+                   help="--stage retrace: train an ablated fusion module (no_correction: without the target's tokens, "
+                        "probabilities and states; no_gate: ungated; tokens_only: without any hidden states)")
     p.add_argument("--joint", action="store_true",
                    help="--stage retrace: also fine-tune the backbone (use a small --lr); default: backbone frozen")
     p.add_argument("--distill-weight", type=float, default=0.0,
@@ -131,6 +132,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
+    add_device_arguments(p)
 
 
 def add_tokenize_arguments(p: argparse.ArgumentParser) -> None:
@@ -154,6 +156,7 @@ def add_features_arguments(p: argparse.ArgumentParser) -> None:
                    help="the target's dtype for the forward (float32 is ~2.5x faster on CPUs without bf16 units)")
     p.add_argument("--storage-dtype", type=dtype_arg, choices=SHORT_DTYPES, default=None,
                    help="dtype on disk (default: --dtype; bfloat16 halves the disk of a float32 forward)")
+    add_device_arguments(p)
 
 
 def add_topk_arguments(p: argparse.ArgumentParser) -> None:
@@ -167,21 +170,22 @@ def add_topk_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None, help="the first N sequences only")
     p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16",
                    help="the target's dtype for the forward (float32 is ~2.5x faster on CPUs without bf16 units)")
+    add_device_arguments(p)
 
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
-    """``hf-retrace calibrate``: the adaptive block's threshold and the hybrid's lookup budget."""
+    """``hf-retrace calibrate``: record the drafter's rounds (``round_records.json.gz``) for the round-policy tuner."""
     p.add_argument("--target", required=True, help='Hub id, folder or "default"')
     p.add_argument("--drafter", required=True,
-                   help="drafter folder (its config.json gets the threshold and lookup budget with --write)")
+                   help="drafter folder (round_records.json.gz is written into it with --write)")
     p.add_argument("--data", default=None, help="tokenized folder; prompts are the sequences in --sequences")
     p.add_argument("--sequences", default=None, metavar="A:B",
                    help="indices of --data sequences never trained on (e.g. 4900:4932)")
     p.add_argument("--prompts", default=None, help="or: a prompt JSONL file (training prompts, never benchmark ones)")
     p.add_argument("--limit", type=int, default=24, help="prompts used")
-    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
     p.add_argument("--num-threads", type=int, default=None)
-    p.add_argument("--json", default=None, help="write the full table here")
+    p.add_argument("--json", default=None, help="write this machine's tuning result (costs, tables, choices) here")
     p.add_argument("--write", action="store_true",
-                   help="store the best threshold and lookup budget in the drafter's config.json")
+                   help="store the recorded rounds in the drafter's folder (round_records.json.gz)")

@@ -3,7 +3,8 @@
 ``out_dir/checkpoints/step-N/`` holds ``model.safetensors`` (the objective's trainable module: ``drafter.*``),
 ``optimizer.pt`` (tensors and numbers only) and ``trainer_state.json`` (steps, micro-steps, tokens: the data order and
 the schedule are pure functions of them). A checkpoint is written into ``step-N.tmp``, flushed, then renamed, so a
-kill never leaves a torn one; only the newest ``keep`` are kept.
+kill never leaves a torn one; only the newest ``keep`` are kept. One damaged later (a file cut short by a full disk or
+an interrupted copy) is found by :func:`checkpoint_problem`, which names the file, and passed over on resume.
 
 Example::
 
@@ -17,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +28,8 @@ from torch import nn
 from ..configuration import ReTraceConfig
 from ..loading import torch_dtype
 
-__all__ = ["export_checkpoint", "latest_checkpoint", "read_checkpoint", "save_in_dtype", "truncate_log",
-           "write_checkpoint"]
+__all__ = ["checkpoint_problem", "export_checkpoint", "latest_checkpoint", "read_checkpoint", "save_in_dtype",
+           "step_checkpoints", "truncate_log", "write_checkpoint"]
 
 CHECKPOINTS = "checkpoints"
 CHECKPOINT_MODEL = "model.safetensors"
@@ -49,17 +51,52 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def latest_checkpoint(out_dir: str | os.PathLike[str]) -> Path | None:
-    """The newest complete ``out_dir/checkpoints/step-N`` (it holds ``trainer_state.json``), or None."""
+def step_checkpoints(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Every ``out_dir/checkpoints/step-N`` folder, newest first, intact or not."""
     root = Path(out_dir) / CHECKPOINTS
     if not root.is_dir():
-        return None
-    found = []
-    for path in root.iterdir():
-        match = re.fullmatch(r"step-(\d+)", path.name)
-        if match and (path / TRAINER_STATE).is_file():
-            found.append((int(match.group(1)), path))
-    return max(found)[1] if found else None
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name)) and p.is_dir()]
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def _optimizer_file(path: Path) -> Path:
+    optimizer_file = path / CHECKPOINT_OPTIMIZER
+    return optimizer_file if optimizer_file.exists() else path / "optimizer.bin"  # accelerate's save_state name
+
+
+def checkpoint_problem(path: Path, optimizer_state: bool = True) -> str | None:
+    """What keeps checkpoint ``path`` from loading (a file missing, cut short or unreadable), naming the file; None
+    when it is intact. Cheap, no tensor is read: the weights' safetensors header (safetensors checks that the file
+    covers it), the optimizer archive's index (a zip's index is at its end: a cut file has none; not checked with
+    ``optimizer_state=False``, for an export, which reads the weights only), the trainer state."""
+    from safetensors import safe_open
+
+    model, optimizer, state = path / CHECKPOINT_MODEL, _optimizer_file(path), path / TRAINER_STATE
+    needed = ((model, CHECKPOINT_MODEL), (optimizer, CHECKPOINT_OPTIMIZER), (state, TRAINER_STATE))
+    for file, name in needed if optimizer_state else (needed[0], needed[2]):
+        if not file.is_file():
+            return f"{name} is missing"
+    try:
+        with safe_open(str(model), framework="pt"):
+            pass
+    except Exception as error:  # noqa: BLE001 - SafetensorError and OSError alike: the file cannot be read
+        return f"{model.name} cannot be read: {error}"
+    try:
+        if optimizer_state:
+            zipfile.ZipFile(optimizer).close()  # torch.save writes a zip archive
+    except (zipfile.BadZipFile, OSError) as error:
+        return f"{optimizer.name} cannot be read: {error}"
+    try:
+        step = json.loads(state.read_text()).get("step")
+    except (ValueError, OSError, AttributeError) as error:
+        return f"{state.name} cannot be read: {error}"
+    return None if isinstance(step, int) else f"{state.name} has no step"
+
+
+def latest_checkpoint(out_dir: str | os.PathLike[str], optimizer_state: bool = True) -> Path | None:
+    """The newest intact ``out_dir/checkpoints/step-N`` (:func:`checkpoint_problem` finds nothing), or None."""
+    return next((p for p in step_checkpoints(out_dir) if checkpoint_problem(p, optimizer_state) is None), None)
 
 
 def write_checkpoint(accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any],
@@ -96,12 +133,22 @@ def read_checkpoint(accelerator: Any, model: nn.Module, optimizer: torch.optim.O
     """Load a checkpoint's weights and optimizer state in place; return its trainer state."""
     from safetensors.torch import load_file
 
-    accelerator.unwrap_model(model).load_state_dict(load_file(str(path / CHECKPOINT_MODEL)))
-    optimizer_file = path / CHECKPOINT_OPTIMIZER
-    if not optimizer_file.exists():
-        optimizer_file = path / "optimizer.bin"  # checkpoints written by accelerate's save_state
-    optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
-    return json.loads((path / TRAINER_STATE).read_text())
+    weights = _read(path / CHECKPOINT_MODEL, lambda file: load_file(str(file)))
+    optimizer_file = _optimizer_file(path)
+    optimizer_state = _read(optimizer_file, lambda file: torch.load(file, map_location="cpu", weights_only=True))
+    state = _read(path / TRAINER_STATE, lambda file: json.loads(file.read_text()))
+    accelerator.unwrap_model(model).load_state_dict(weights)
+    optimizer.load_state_dict(optimizer_state)
+    return state
+
+
+def _read(file: Path, reader: Any) -> Any:
+    """``reader(file)``; a file that cannot be read raises an error naming it and what to do."""
+    try:
+        return reader(file)
+    except Exception as error:  # noqa: BLE001 - SafetensorError, torch's RuntimeError, JSONDecodeError, OSError
+        raise RuntimeError(f"{file} cannot be read ({type(error).__name__}: {error}): the checkpoint {file.parent} is "
+                           f"damaged. Delete that folder to resume from the checkpoint before it.") from error
 
 
 def truncate_log(path: Path, step: int) -> None:
@@ -138,7 +185,7 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
     from ..modeling import ReTraceDrafter
 
     run_dir = Path(run_dir)
-    checkpoint = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir)
+    checkpoint = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir, optimizer_state=False)
     if checkpoint is None:
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint to export.")
     config = ReTraceConfig.from_dict(json.loads((run_dir / DRAFTER_INIT).read_text())["config"])

@@ -1,7 +1,8 @@
 """Every check of ``hf-retrace train | data | calibrate`` that can fail on user input, run before any model loads.
 
 Paths, folders, prompt files and flag combinations are checked first, so a typo costs seconds, not hours; a
-``--resume`` is refused when the run's settings (``run_settings.json``) differ from the ones given now.
+``--resume`` is refused when the run's settings (``run_settings.json``) differ from the ones given now, and passes over
+a damaged checkpoint (``check_resume_files``); a file written at the end must be writable now (``check_writable``).
 
 Example::
 
@@ -17,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .checkpoints import CHECKPOINTS, DRAFTER_INIT, RUN_SETTINGS
+from ..tuning.records import RECORDS_FILENAME
+from .checkpoints import CHECKPOINTS, DRAFTER_INIT, RUN_SETTINGS, checkpoint_problem, step_checkpoints
 from .data import validate_prompt_file
 from .precomputed_features import STORE_MAKERS, covered_sequences, features_manifest, store_kind
 from .trainer import LOG_FILE
@@ -26,7 +28,9 @@ __all__ = [
     "RUN_SETTINGS",
     "check_calibration_args",
     "check_prompt_file",
+    "check_resume_files",
     "check_resume_settings",
+    "check_writable",
     "is_main_launch_process",
     "parse_ids",
     "refuse_held_out",
@@ -90,6 +94,26 @@ def check_prompt_file(path: str, flag: str) -> None:
         raise usage_error(f"{flag}: {error}") from None
 
 
+def check_writable(path: str | os.PathLike[str], flag: str, what: str) -> None:
+    """Refuse now, before any model loads, a file that a command writes only at its end and could not write then:
+    ``path``'s folder must exist and be writable (an atomic write creates a file beside it), and ``path``, where it
+    exists, must be a writable file. ``what`` names the file's content in the message.
+
+    Example: ``check_writable(args.json, "--json", "the table")``.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise usage_error(f"{flag}: {path} is a folder; {what} is written to a file there: give a file name.")
+    if not path.parent.is_dir():
+        raise usage_error(f"{flag}: {what} would go to {path}, but the folder {path.parent} does not exist: create it "
+                          "first, or choose another path. Nothing was run.")
+    for blocked in (path.parent, path):
+        if blocked.exists() and not os.access(blocked, os.W_OK | (os.X_OK if blocked.is_dir() else 0)):
+            raise usage_error(f"{flag}: {what} would go to {path}, but this user cannot write {blocked} (read-only "
+                              "file system or permissions). Nothing was run: make it writable (e.g. chmod u+w "
+                              f"{blocked}), or choose another path.")
+
+
 def run_settings(args: argparse.Namespace, drafter_config: Any, num_processes: int) -> dict[str, Any]:
     """What defines a run as one experiment: a ``--resume`` with any of these changed would be another one."""
     return {
@@ -123,6 +147,41 @@ def check_resume_settings(out: Path, settings: dict[str, Any]) -> None:
         )
 
 
+def check_resume_files(out: Path) -> Path | None:
+    """What ``--resume`` reads, checked before any model loads; returns the checkpoint it resumes from (None: none).
+
+    ``run_settings.json`` must parse (``--resume`` compares the settings with it). A checkpoint newer than the newest
+    intact one is named with what is wrong and passed over, with a warning; when none is intact the resume is refused.
+    Nothing is changed on disk.
+    """
+    settings = out / RUN_SETTINGS
+    if settings.is_file():
+        try:
+            json.loads(settings.read_text())
+        except (ValueError, OSError) as error:
+            raise usage_error(
+                f"--resume: {settings} cannot be read ({error}; cut short?). It records the run's settings, which "
+                "--resume compares with the ones given now: restore it from a copy, or delete it to resume without "
+                "that comparison (the settings given now are then recorded). Nothing was changed."
+            ) from None
+    damaged = []
+    for checkpoint in step_checkpoints(out):  # newest first
+        problem = checkpoint_problem(checkpoint)
+        if problem is None:
+            if damaged and is_main_launch_process():
+                for path, what in damaged:
+                    print(f"[hf-retrace] warning: checkpoint {path} is damaged ({what}); resuming from "
+                          f"{checkpoint.name}, the newest intact checkpoint (the damaged one is replaced when the run "
+                          "passes its step).", file=sys.stderr)
+            return checkpoint
+        damaged.append((checkpoint, problem))
+    if damaged:
+        listed = "; ".join(f"{path.name}: {what}" for path, what in damaged)
+        raise usage_error(f"--resume: no checkpoint in {out / CHECKPOINTS} can be loaded ({listed}). Restore one, or "
+                          "start the run over with --overwrite. Nothing was changed.")
+    return None
+
+
 def require_tokenized(data: str) -> None:
     if not (Path(data) / "manifest.json").is_file():
         raise usage_error(f"--data {data}: no manifest.json (run `hf-retrace data tokenize` first).")
@@ -150,12 +209,32 @@ def validate_train_args(args: argparse.Namespace) -> dict[str, Any]:
     if out.exists() and not out.is_dir():
         raise usage_error(f"--out {out} is a file.")
     has_checkpoint = (out / CHECKPOINTS).is_dir()
+    if args.resume and out.is_dir():
+        check_resume_files(out)
     # under `accelerate launch` only the main process checks, empties and writes --out (the others would see its files)
     if is_main_launch_process():
         _check_out_folder(args, out)
         if args.target != "default" and not Path(args.target).exists() and "/" not in args.target:
             raise usage_error(f"--target {args.target}: not a folder, a Hub id (owner/name) nor 'default'.")
+        _check_push_to_hub(args.push_to_hub)
     return {"manifest": manifest, "has_checkpoint": has_checkpoint}
+
+
+def _check_push_to_hub(repo_id: str | None) -> None:
+    """--push-to-hub uploads at the end of the run: its repo id and the token are checked now, not after hours."""
+    if repo_id is None:
+        return
+    import huggingface_hub
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        raise usage_error(f"--push-to-hub {repo_id!r} is not a Hub repo id (name or owner/name): {e}") from None
+    if not huggingface_hub.get_token():
+        raise usage_error(f"--push-to-hub {repo_id} needs a Hugging Face token with write access, and none is set: "
+                          "run `hf auth login` (or set HF_TOKEN), then start the run again. Checked before training, "
+                          "so a run never ends without its upload.")
 
 
 def _check_stage(args: argparse.Namespace) -> None:
@@ -272,6 +351,10 @@ def check_calibration_args(args: argparse.Namespace) -> tuple[int, int] | None:
     """All checks of ``hf-retrace calibrate`` that need no model; returns the ``--sequences`` range (or None)."""
     if not (Path(args.drafter) / "config.json").is_file():
         raise usage_error(f"--drafter {args.drafter}: not a drafter folder (no config.json).")
+    if args.write:  # written at the end: a folder it cannot write would cost the whole calibration
+        check_writable(Path(args.drafter) / RECORDS_FILENAME, "--write", "the recorded rounds")
+    if args.json:
+        check_writable(args.json, "--json", "the table")
     if bool(args.prompts) == bool(args.data):
         raise usage_error("calibrate needs prompts: --data DIR --sequences A:B (never trained on), or --prompts FILE.")
     if args.prompts:

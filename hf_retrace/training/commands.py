@@ -31,9 +31,10 @@ from .arguments import (
     add_train_arguments,
     build_train_parser,
 )
-from .calibrate import calibrate_confidence_threshold
+from .calibrate import record_round_records
 from .checks import check_calibration_args, check_prompt_file, parse_ids, require_tokenized, usage_error
 from .data import TokenizedDataset, generate_responses, prompt_token_ids, read_prompts, tokenize_responses
+from .data.recipes import PROMPT_RECIPES
 from .evaluation import sequence_prompt_ids
 from .precomputed_features import precompute_features, precompute_topk
 from .train_command import cmd_train
@@ -59,9 +60,13 @@ def register(subparsers: Any) -> None:
         step = dsub.add_parser(name, help=help_text)
         add_arguments(step)
         step.set_defaults(func=cmd_data)
+    for name, help_text, add_arguments, run in PROMPT_RECIPES:  # code-prompts, chat-prompts, mix
+        step = dsub.add_parser(name, help=help_text)
+        add_arguments(step)
+        step.set_defaults(func=run)
 
     cal = subparsers.add_parser(
-        "calibrate", help="calibrate a drafter's round shape (adaptive block, lookup budget) on held-out training prompts"
+        "calibrate", help="record a drafter's rounds on held-out training prompts (what hf-retrace tune replays)"
     )
     add_calibrate_arguments(cal)
     cal.set_defaults(func=cmd_calibrate)
@@ -82,7 +87,8 @@ def cmd_data(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace) -> int:
     for path in args.prompts:
         check_prompt_file(path, "--prompts")
-    target, tokenizer = load_target(args.target, args.dtype, frozen=True)
+    target, tokenizer = load_target(args.target, args.dtype, frozen=True, device=args.device,
+                                    device_map=args.device_map)
     prompts = []
     for path in args.prompts:
         prompts += read_prompts(path, limit=args.limit, suffix=args.suffix)
@@ -112,7 +118,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 def _precompute(args: argparse.Namespace) -> int:
     require_tokenized(args.data)
-    target, _ = load_target(args.target, args.dtype, frozen=True)
+    target, _ = load_target(args.target, args.dtype, frozen=True, device=args.device, device_map=args.device_map)
     layers = parse_ids(args.target_layer_ids) or build_target_layer_ids(
         target.config.get_text_config().num_hidden_layers, args.num_target_features)
     storage = torch_dtype(args.storage_dtype) if args.storage_dtype else None
@@ -126,7 +132,7 @@ def _precompute_topk(args: argparse.Namespace) -> int:
     require_tokenized(args.data)
     if args.k < 1 or args.max_batch_tokens < 1:
         raise usage_error(f"--k and --max-batch-tokens must be at least 1, got {args.k} and {args.max_batch_tokens}.")
-    target, _ = load_target(args.target, args.dtype, frozen=True)
+    target, _ = load_target(args.target, args.dtype, frozen=True, device=args.device, device_map=args.device_map)
     try:  # k beyond the vocabulary, or --out holding another store or other settings: nothing was written
         manifest = precompute_topk(target, TokenizedDataset(args.data), args.out, args.k,
                                    max_batch_tokens=args.max_batch_tokens, limit=args.limit)
@@ -142,38 +148,25 @@ def _precompute_topk(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    """Record the drafter's rounds on held-out training prompts; print what this machine's tuner would choose."""
+    from ..tuning.auto import tune
+    from ..tuning.report import print_tuning
+
     sequences = check_calibration_args(args)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     target, tokenizer = load_target(args.target, args.dtype, frozen=True)
     prompts = _calibration_prompts(args, tokenizer, sequences)
     drafter = load_drafter(args.drafter, args.dtype)
-    result = calibrate_confidence_threshold(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
-    print(f"[hf-retrace] c = {result['draft_cost_c']:.3f}; verify cost of k drafts (x one step): "
-          + ", ".join(f"{k}:{v:.2f}" for k, v in enumerate(result["verify_costs"])))
-    print("| threshold | tau | drafted/round | tokens per step-cost |\n|---|---|---|---|")
-    for row in result["table"]:
-        print(f"| {row['threshold']:.2f} | {row['tau']:.2f} | {row['mean_drafted']:.2f} | {row['tokens_per_cost']:.3f} |")
-    best, full = result["best"], result["full_block"]
-    print(f"[hf-retrace] best threshold {best['threshold']:.2f}: {best['tokens_per_cost']:.3f} tokens per step-cost "
-          f"vs {full['tokens_per_cost']:.3f} with full blocks ({result['rounds']} rounds, {result['prompts']} prompts)")
-    lookup = result["lookup"]
-    print("| lookup start | lookup cap | tau | lookup rounds | tokens per step-cost |\n|---|---|---|---|---|")
-    for row in lookup["table"]:
-        print(f"| {row['start_tokens']} | {row['num_tokens']} | {row['tau']:.2f} | {row['lookup_share']:.2f} "
-              f"| {row['tokens_per_cost']:.3f} |")
-    print(f"[hf-retrace] best lookup budget: start {lookup['start_tokens']}, cap {lookup['num_tokens']}: "
-          f"{lookup['best']['tokens_per_cost']:.3f} tokens per step-cost vs "
-          f"{lookup['drafter_alone']['tokens_per_cost']:.3f} for the drafter alone (the target's answers replayed)")
+    records = record_round_records(target, drafter, prompts, max_new_tokens=args.max_new_tokens)
+    result = tune(target, drafter, records)
+    print_tuning(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.write:
-        path = Path(args.drafter) / "config.json"
-        config = json.loads(path.read_text())
-        written = {"draft_confidence_threshold": best["threshold"], "lookup_start_tokens": lookup["start_tokens"],
-                   "lookup_num_tokens": lookup["num_tokens"]}
-        path.write_text(json.dumps(config | written, indent=2, sort_keys=True) + "\n")
-        print(f"[hf-retrace] wrote {', '.join(f'{k}={v}' for k, v in written.items())} into {path}")
+        path = records.save(args.drafter)
+        print(f"[hf-retrace] wrote the recorded rounds ({path.stat().st_size / 1024:.0f} KB) to {path}; the drafter's "
+              "round policy is tuned from them on each machine at first use (hf-retrace tune)")
     return 0
 
 

@@ -43,8 +43,6 @@ class TauEvaluator:
 
     def __init__(self, target: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
                  limit: int | None = None):
-        import hf_retrace  # noqa: F401  (installs the generate hook)
-
         if not prompts:
             raise ValueError("TauEvaluator needs at least one prompt.")
         self.target = target

@@ -1,13 +1,12 @@
-"""The target's tapped hidden states for training, and the batches the drafter trains on.
+"""The target's tapped hidden states for training: a no-grad target forward read by the one tap.
 
-The drafter reads ``concat(hidden_states[i + 1] for i in target_layer_ids)`` (index 0 is the embeddings; as in
-transformers, the last index is taken after the final norm), exactly what :class:`hf_retrace.generation.TargetTap`
-feeds it during ``generate``.
+The drafter reads :func:`~hf_retrace.generation.target_features.extract_context_feature` of the target's hidden
+states, the same function :class:`~hf_retrace.generation.target_features.TargetTap` applies during ``generate``.
 
-* Online: :class:`OnlineFeatures` runs a no-grad target forward inside the training step.
-* Precomputed: :mod:`~hf_retrace.training.precomputed_features` computes them once to disk and memory-maps them.
-* :class:`FeatureDataset` joins token sequences and (precomputed) features; :func:`collate_sequences` pads them into
-  a batch.
+* Online: :class:`OnlineFeatures` runs the forward inside the training step.
+* Precomputed: :mod:`~hf_retrace.training.precomputed_features` runs it once to disk and memory-maps the result;
+  :class:`~hf_retrace.training.feature_dataset.FeatureDataset` joins it to the token sequences.
+* :func:`collate_sequences` pads sequences (and their features) into a batch.
 
 Example::
 
@@ -18,16 +17,14 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from .precomputed_features import PrecomputedFeatures
+from ..generation.target_features import decoder_of, extract_context_feature
 
-__all__ = ["FeatureDataset", "OnlineFeatures", "collate_sequences", "tapped_hidden_states"]
+__all__ = ["OnlineFeatures", "collate_sequences", "tapped_hidden_states"]
 
 
 @torch.no_grad()
@@ -37,16 +34,15 @@ def tapped_hidden_states(
     attention_mask: torch.Tensor | None,
     target_layer_ids: Sequence[int],
 ) -> torch.Tensor:
-    """``[b, T, n*H]``: the concatenated ``hidden_states[i + 1]`` of a no-grad target forward (lm_head skipped)."""
+    """``[b, T, n*H]``: :func:`extract_context_feature` of a no-grad forward of the target's decoder (lm_head
+    skipped)."""
     num_layers = target.config.get_text_config().num_hidden_layers
     bad = [i for i in target_layer_ids if not 0 <= i < num_layers]
     if bad:
         raise ValueError(f"target_layer_ids {list(target_layer_ids)} out of range for a {num_layers}-layer target.")
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else None
-    module = decoder if decoder is not None else target
-    out = module(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    states = out.hidden_states
-    return torch.cat([states[i + 1] for i in target_layer_ids], dim=-1)
+    out = decoder_of(target)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
+                             use_cache=False)
+    return extract_context_feature(out.hidden_states, target_layer_ids)
 
 
 class OnlineFeatures:
@@ -89,41 +85,3 @@ def collate_sequences(items: Sequence[dict[str, torch.Tensor]], pad_token_id: in
     if "index" in items[0]:
         batch["index"] = torch.tensor([int(item["index"]) for item in items])
     return batch
-
-
-class FeatureDataset(torch.utils.data.Dataset):
-    """Items ``{input_ids, loss_mask, index[, target_hidden][, target_topk]}`` of a tokenized dataset, with the
-    precomputed features and the target's top-k distributions (``topk``, a ``kind="topk"`` store) joined if given."""
-
-    def __init__(self, sequences: Any, features: PrecomputedFeatures | None = None,
-                 indices: Sequence[int] | None = None, topk: PrecomputedFeatures | None = None):
-        self.sequences = sequences
-        self.features = features
-        self.topk = topk
-        self.indices = list(range(len(sequences))) if indices is None else list(indices)
-        needed = max(self.indices) + 1 if self.indices else 0
-        for store, what in ((features, "features"), (topk, "top-k distributions")):
-            if store is not None and len(store) < needed:
-                raise ValueError(
-                    f"The {what} cover {len(store)} sequences but training reads the first {needed}; "
-                    f"precompute the {what} for them (no --limit), or train on fewer (--max-sequences)."
-                )
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def sequence_lengths(self) -> np.ndarray:
-        return self.sequences.sequence_lengths()[self.indices]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        index = self.indices[i]
-        item = dict(self.sequences[index])
-        item["index"] = index
-        for store, key in ((self.features, "target_hidden"), (self.topk, "target_topk")):
-            if store is not None:
-                rows = store[index]
-                if rows.shape[0] != item["input_ids"].shape[0]:
-                    raise ValueError(f"sequence {index}: {item['input_ids'].shape[0]} tokens but {rows.shape[0]} "
-                                     f"rows in {store.directory}.")
-                item[key] = rows
-        return item

@@ -213,12 +213,10 @@ class DFlashObjective(nn.Module):
     def backbone_drafts(self, input_ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
                         anchor_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The backbone alone (no fusion) drafts a full block at every anchor, teacher-forced on ``input_ids``:
-        ``[b, N, B-1]`` drafts (target token ids), ``[b, N, B-1, H]`` their states, ``[b, N, B-1]`` top probabilities."""
+        ``[b, N, B-1]`` drafts (target token ids), ``[b, N, B-1, H]`` their states, ``[b, N, B-1]`` top
+        probabilities."""
         drafter = self.drafter
-        b, t = input_ids.shape
-        embeds, position_ids, mask = self.block_inputs(input_ids, anchors, anchor_valid, t)
-        hidden = drafter(target_hidden=features, noise_embedding=embeds, position_ids=position_ids, attention_mask=mask)
-        hidden = hidden.reshape(b, anchors.shape[1], self.block_size, -1)[:, :, 1:]
+        hidden = self.block_hidden(input_ids, features, anchors, anchor_valid)
         weight, bias = self._lm_head_weight(hidden.dtype, hidden.device)
         top_probs, drafts = F.linear(hidden, weight, bias).float().softmax(-1).max(-1)  # indices into scored rows
         if drafter.draft_vocab is not None:
@@ -266,68 +264,71 @@ class DFlashObjective(nn.Module):
         return -(p * log_q).sum(dim=-1)
 
     def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, Any]]:
-        input_ids = batch["input_ids"]
-        loss_mask = batch["loss_mask"]
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
         attention_mask = batch.get("attention_mask")
-        if attention_mask is None:
-            attention_mask = torch.ones_like(input_ids)
-        lengths = attention_mask.long().sum(dim=1)
-        target_hidden = batch["target_hidden"]
-        b, t = input_ids.shape
+        lengths = (torch.ones_like(input_ids) if attention_mask is None else attention_mask).long().sum(dim=1)
         if "anchors" in batch:
             anchors, anchor_valid = batch["anchors"], batch["anchor_valid"]
         else:
-            anchors, anchor_valid = sample_anchors(
-                loss_mask, lengths, self.num_anchors, batch.get("anchor_generator")
-            )
-        block_size = self.block_size
-        n = anchors.shape[1]
-
-        embeds, position_ids, mask = self.block_inputs(
-            input_ids, anchors, anchor_valid, t, batch.get("aligned_suffix")
-        )
-        hidden = self.drafter(
-            target_hidden=target_hidden, noise_embedding=embeds, position_ids=position_ids, attention_mask=mask
-        )  # [b, N*B, H]
-        hidden = hidden.reshape(b, n, block_size, -1)[:, :, 1:]  # slots 1..B-1
+            anchors, anchor_valid = sample_anchors(loss_mask, lengths, self.num_anchors, batch.get("anchor_generator"))
+        hidden = self.block_hidden(input_ids, batch["target_hidden"], anchors, anchor_valid,
+                                   batch.get("aligned_suffix"))
         labels, valid = self.labels(input_ids, loss_mask, lengths, anchors, anchor_valid)
         labels, in_vocab = self.draft_index(labels)
         valid = valid & in_vocab  # tokens outside the draft vocabulary are never drafted: no loss for them
+        rows, labels = hidden[valid], labels[valid]  # only valid slots go through the (large) lm_head
+        slot_index = torch.arange(self.block_size - 1, device=hidden.device).expand_as(valid)[valid]
+        loss, loss_weight, logits = self.slot_loss(batch, anchors, valid, rows, labels, slot_index)
+        if rows.shape[0] == 0:  # keep the graph connected (DDP) when nothing is supervised
+            loss = hidden.sum() * 0.0
+        metrics = {
+            "loss": loss.detach(),
+            "loss_weight": loss_weight.detach(),  # the loss's denominator: the trainer normalises over all processes
+            **self.slot_metrics(logits, labels, slot_index),
+            "num_blocks": anchor_valid.sum(),
+            "num_labels": valid.sum(),
+            "num_tokens": lengths.sum(),
+        }
+        return loss, metrics
 
-        weights = decay_weights(block_size, self.gamma, device=hidden.device)  # [B-1]
-        rows = hidden[valid]  # only valid slots go through the (large) lm_head
+    def block_hidden(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, anchors: torch.Tensor,
+                     anchor_valid: torch.Tensor, aligned_suffix: Any = None) -> torch.Tensor:
+        """``[b, N, B-1, H]``: the drafter's states at slots 1..B-1 of every block, from one drafter forward."""
+        b, t = input_ids.shape
+        embeds, position_ids, mask = self.block_inputs(input_ids, anchors, anchor_valid, t, aligned_suffix)
+        hidden = self.drafter(target_hidden=target_hidden, noise_embedding=embeds, position_ids=position_ids,
+                              attention_mask=mask)  # [b, N*B, H]
+        return hidden.reshape(b, anchors.shape[1], self.block_size, -1)[:, :, 1:]
+
+    def slot_loss(self, batch: dict[str, Any], anchors: torch.Tensor, valid: torch.Tensor, rows: torch.Tensor,
+                  labels: torch.Tensor, slot_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(loss, its denominator, logits)`` over the supervised slots ``rows`` (``valid``'s, at ``slot_index``):
+        the cross-entropy (mixed with the top-k distillation when ``distill_weight``), decayed by slot and normalised
+        by the sum of the slots' weights."""
         weight, bias = self._lm_head_weight(rows.dtype, rows.device)
         logits = F.linear(rows, weight, bias).float()
         lse = torch.logsumexp(logits, dim=-1)
-        ce = label_cross_entropy(lse, rows, weight, bias, labels[valid])
+        ce = label_cross_entropy(lse, rows, weight, bias, labels)
         if self.distill_weight:
             soft = self.topk_cross_entropy(batch, anchors, valid, logits, lse)
             ce = (1.0 - self.distill_weight) * ce + self.distill_weight * soft
-        slot_index = torch.arange(block_size - 1, device=hidden.device).expand_as(valid)[valid]
-        w = weights[slot_index]
-        denom = w.sum()
-        loss = (ce * w).sum() / denom.clamp_min(1e-8)
-        if rows.shape[0] == 0:  # keep the graph connected (DDP) when nothing is supervised
-            loss = hidden.sum() * 0.0
+        slot_weights = decay_weights(self.block_size, self.gamma, device=rows.device)[slot_index]
+        denom = slot_weights.sum()
+        return (ce * slot_weights).sum() / denom.clamp_min(1e-8), denom, logits
 
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == labels[valid]).float()
-            slot_counts = torch.bincount(slot_index, minlength=block_size - 1).float()
-            slot_correct = torch.bincount(slot_index, weights=correct, minlength=block_size - 1)
-            acc_slot = slot_correct / slot_counts.clamp_min(1)
-            # expected accepted length under teacher forcing: sum_k prod_{j<=k} acc_j (a quick tau proxy)
-            metrics = {
-                "loss": loss.detach(),
-                "loss_weight": denom.detach(),  # the loss's denominator: the trainer normalises over all processes
-                "acc": correct.mean() if correct.numel() else correct.new_zeros(()),
-                "acc_slot": acc_slot,
-                "slot_correct": slot_correct,
-                "slot_counts": slot_counts,
-                "num_blocks": anchor_valid.sum(),
-                "num_labels": valid.sum(),
-                "num_tokens": lengths.sum(),
-            }
-        return loss, metrics
+    @torch.no_grad()
+    def slot_metrics(self, logits: torch.Tensor, labels: torch.Tensor, slot_index: torch.Tensor) -> dict[str, Any]:
+        """Top-1 accuracy over the supervised slots, overall and per slot (``acc_slot``, with its counts)."""
+        slots = self.block_size - 1
+        correct = (logits.argmax(-1) == labels).float()
+        slot_counts = torch.bincount(slot_index, minlength=slots).float()
+        slot_correct = torch.bincount(slot_index, weights=correct, minlength=slots)
+        return {
+            "acc": correct.mean() if correct.numel() else correct.new_zeros(()),
+            "acc_slot": slot_correct / slot_counts.clamp_min(1),
+            "slot_correct": slot_correct,
+            "slot_counts": slot_counts,
+        }
 
 
 def label_cross_entropy(lse: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

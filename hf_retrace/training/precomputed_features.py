@@ -3,7 +3,7 @@
 :func:`precompute_features` runs one pass over a :class:`~hf_retrace.training.data.TokenizedDataset` and writes raw
 row-major arrays (``features-00000.bin`` ..., ``[tokens, n*H]`` in the target's dtype, bf16 kept bit-exact) plus
 ``features.json`` (layer ids, dtype, per-shard sequence ranges and offsets). It resumes after the last complete
-shard. :class:`PrecomputedFeatures` memory-maps them, for :class:`~hf_retrace.training.features.FeatureDataset`.
+shard. :class:`PrecomputedFeatures` memory-maps them, for :class:`~hf_retrace.training.feature_dataset.FeatureDataset`.
 
 The same store holds, in a folder of its own, the target's top-k next-token distribution at every position
 (:func:`precompute_topk`: ``[tokens, 2k]`` float32, the k token ids then their log-probabilities), read by

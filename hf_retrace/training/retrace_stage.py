@@ -1,6 +1,6 @@
 """The ReTrace stage: teach the fusion module to use what the previous round drafted and the target rejected.
 
-Two passes per anchor ``s`` (``retrace.md`` §7), all blocks of a sequence batched:
+Two passes per anchor ``s``, all blocks of a sequence batched:
 
 1. no grad: the backbone drafts ``[y_s, MASK...]`` -> drafts ``d`` and hidden states ``h``; the verification signals
    come from a target forward over ``[y_<=s, d_1..d_{B-1}]`` ("exact": one extra target forward per sequence,
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..generation.target_features import cache_kwargs
+from ..generation.target_features import cache_kwargs, decoder_of, extract_context_feature
 from ..retrace import AlignedSuffix, RejectedSuffix
 from .objective import DEFAULT_GAMMA, DFlashObjective, sample_anchors
 
@@ -49,7 +49,7 @@ class ReTraceObjective(DFlashObjective):
         target, drafter = self.frozen.target, self.drafter
         input_ids, loss_mask, attention_mask = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
         lengths = attention_mask.long().sum(1)
-        decoder = target.get_decoder()
+        decoder = decoder_of(target)
         if self.verification == "exact":
             from transformers import DynamicCache
 
@@ -58,7 +58,7 @@ class ReTraceObjective(DFlashObjective):
                           use_cache=True, output_hidden_states=True)
         else:
             out = decoder(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
-        features = torch.cat([out.hidden_states[i + 1] for i in drafter.config.target_layer_ids], dim=-1)
+        features = extract_context_feature(out.hidden_states, drafter.config.target_layer_ids)
         anchors, anchor_valid = sample_anchors(loss_mask, lengths, self.num_anchors, batch.get("anchor_generator"))
         drafts, hidden, _ = self.backbone_drafts(input_ids, features, anchors, anchor_valid)
         # the target's verdict at slots 1..B-1: its own token/probability for position s+j, and its states at row j
@@ -97,8 +97,7 @@ class ReTraceObjective(DFlashObjective):
                           attention_mask=verify_mask, **cache_kwargs(target, cache), use_cache=True,
                           output_hidden_states=True)
         logits = verified.logits.reshape(b, n_blocks, block, -1)[:, :, :-1]  # row j-1 -> position s+j
-        layer_ids = self.drafter.config.target_layer_ids
-        verify_features = torch.cat([verified.hidden_states[i + 1] for i in layer_ids], dim=-1)
+        verify_features = extract_context_feature(verified.hidden_states, self.drafter.config.target_layer_ids)
         verify_features = verify_features.reshape(b, n_blocks, block, -1)[:, :, 1:]  # row j: slot j's token
         return logits, verify_features
 

@@ -22,6 +22,7 @@ import torch
 
 from ..loading import load_target, portable_path, resolve_target
 from ..modeling import ReTraceDrafter
+from ..tuning.records import RECORDS_FILENAME
 from .checks import (
     RUN_SETTINGS,
     check_resume_settings,
@@ -41,7 +42,8 @@ from .drafter_init import (
     init_from_target_statistics,
 )
 from .evaluation import TauEvaluator, sequence_prompt_ids
-from .features import FeatureDataset, OnlineFeatures
+from .feature_dataset import FeatureDataset
+from .features import OnlineFeatures
 from .model_card import target_hub_id, write_model_card
 from .objective import DFlashObjective
 from .precomputed_features import PrecomputedFeatures, covered_sequences, features_manifest, precompute_features
@@ -113,6 +115,8 @@ def _build_drafter(args: argparse.Namespace, target: Any) -> tuple[ReTraceDrafte
     """The drafter the run starts from (fp32), and a line saying how it was initialised."""
     if args.init_from:
         drafter = ReTraceDrafter.from_pretrained(args.init_from, dtype=torch.float32)
+        # new weights: the source's recorded rounds no longer describe them (save_pretrained must not carry them)
+        drafter.config._name_or_path = ""
         init = f"fine-tuned from {args.init_from}"
     else:
         config = drafter_config_from_target(
@@ -258,8 +262,18 @@ def _card_info(args: argparse.Namespace, manifest: dict[str, Any], target_path: 
     }
 
 
-def _push_to_hub(out: Path, repo_id: str) -> None:
-    from huggingface_hub import upload_file
+# what a drafter folder publishes: weights (one file or shards + index), config, model card, recorded rounds
+PUBLISHED_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "README.md", RECORDS_FILENAME)
 
-    ReTraceDrafter.from_pretrained(out).push_to_hub(repo_id)
-    upload_file(path_or_fileobj=str(out / "README.md"), path_in_repo="README.md", repo_id=repo_id)
+
+def _push_to_hub(out: Path, repo_id: str) -> None:
+    """Upload the drafter folder's published files in one commit (checkpoints, logs and run settings stay here)."""
+    from fnmatch import fnmatch
+
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    api = HfApi()
+    repo_id = api.create_repo(repo_id, exist_ok=True).repo_id
+    files = sorted(p for p in out.iterdir() if p.is_file() and any(fnmatch(p.name, g) for g in PUBLISHED_FILES))
+    api.create_commit(repo_id, [CommitOperationAdd(path_in_repo=p.name, path_or_fileobj=str(p)) for p in files],
+                      commit_message="Upload hf-retrace drafter")

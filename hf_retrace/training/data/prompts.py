@@ -19,17 +19,25 @@ from ...jsonl import iter_jsonl
 
 PROMPT_FIELDS: tuple[str, ...] = ("prompt", "question", "problem", "turns", "messages", "conversations")
 """Fields a prompt record may carry, in order of preference (``turns``/``messages``/``conversations``: first user
-turn)."""
+turn; ``turns`` with ``answers``: the turn after the last answer, those earlier turns and answers as its history)."""
+
+ANSWERS_FIELD = "answers"
+"""With ``turns`` (user turns), the assistant's earlier answers, fed back between turns as MT-Bench does."""
 
 ID_FIELDS: tuple[str, ...] = ("id", "question_id", "task_id", "unique_id")
 
 
 @dataclass(frozen=True)
 class PromptRecord:
-    """One prompt to send to the target: a stable ``id`` (for resuming) and the user-turn text."""
+    """One prompt to send to the target: a stable ``id`` (for resuming) and the user-turn text.
+
+    ``history`` holds the earlier turns of a multi-turn prompt, user and assistant alternating from the first user
+    turn (empty for a single turn): ``PromptRecord("q1-turn2", "Now in French.", ("Say hi.", "Hi!"))``.
+    """
 
     id: str
     prompt: str
+    history: tuple[str, ...] = ()
 
 
 def _first_user_turn(turns: Any) -> str | None:
@@ -55,6 +63,21 @@ def _prompt_text(record: Mapping[str, Any]) -> str | None:
         value = record[field]
         return value if isinstance(value, str) else _first_user_turn(value)
     return None
+
+
+def _answered_turns(record: Mapping[str, Any], where: str) -> tuple[str, tuple[str, ...]] | None:
+    """``(prompt, history)`` of a ``turns`` + ``answers`` record; ``None`` when the record has no ``answers``."""
+    if record.get(ANSWERS_FIELD) is None or "turns" not in record:
+        return None
+    turns, answers = record["turns"], record[ANSWERS_FIELD]
+    texts = [*turns, *answers] if isinstance(turns, list) and isinstance(answers, list) else None
+    if texts is None or not all(isinstance(text, str) for text in texts) or len(answers) >= len(turns):
+        raise ValueError(
+            f"{where}: `turns` must be a list of user turns (strings) and `answers` a shorter list of the assistant's "
+            f"answers to the first of them (strings); got turns={turns!r:.80} answers={answers!r:.80}."
+        )
+    history = tuple(text for pair in zip(turns, answers) for text in pair)
+    return turns[len(answers)], history
 
 
 def _record_id(record: Mapping[str, Any], fallback: str) -> str:
@@ -119,8 +142,11 @@ def read_prompts(
     """Read prompts from a JSONL file, a ``datasets.Dataset`` or an iterable of dicts.
 
     The prompt comes from the first field of :data:`PROMPT_FIELDS` present (for multi-turn records, the first user
-    turn). The id comes from ``id``/``question_id``/``task_id``/``unique_id``, else ``<file stem>-<line number>``
-    (or the row index). ``suffix`` is appended to every prompt (e.g. the DFlash GSM8K/MATH instruction).
+    turn). A record with ``turns`` (user turns) and ``answers`` (the assistant's answers to the first of them) asks
+    for the turn after the last answer, with the turns and answers before it as ``history`` (MT-Bench's second
+    turn: ``{"turns": [q1, q2], "answers": [a1]}``). The id comes from ``id``/``question_id``/``task_id``/
+    ``unique_id``, else ``<file stem>-<line number>`` (or the row index). ``suffix`` is appended to every prompt
+    (e.g. the DFlash GSM8K/MATH instruction).
 
     Example::
 
@@ -138,6 +164,11 @@ def read_prompts(
         if record_id in seen:
             raise ValueError(f"Duplicate prompt id {record_id!r}: ids must be unique for resumable generation.")
         seen.add(record_id)
+        answered = _answered_turns(record, f"prompt record {record_id!r}")
+        if answered is not None:
+            text, history = answered
+            prompts.append(PromptRecord(id=record_id, prompt=text + suffix, history=history))
+            continue
         prompts.append(PromptRecord(id=record_id, prompt=text + suffix))
     return prompts
 

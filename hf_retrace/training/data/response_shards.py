@@ -1,7 +1,8 @@
 """The target's answers on disk: resumable JSONL shards ``responses-00000.jsonl`` ..., written and read back.
 
 A shard being written is ``responses-NNNNN.jsonl.partial`` (flushed per batch); it becomes a complete shard only by an
-atomic rename, so a killed run loses at most the batch being written.
+atomic rename, so a killed run loses at most the batch being written. :func:`read_answered` also reads that shard, for
+work that runs beside a generation (what is left to ask, which first answers a second turn can follow).
 """
 
 from __future__ import annotations
@@ -103,3 +104,17 @@ def read_responses(paths: Iterable[str | os.PathLike[str]]) -> Iterator[dict[str
                 yield record
 
 
+
+
+def read_answered(paths: Iterable[str | os.PathLike[str]]) -> Iterator[dict[str, Any]]:
+    """Response records answered so far: :func:`read_responses` plus the complete lines of a shard folder's
+    ``.partial`` shard (a run in progress or killed). A record may come twice when its shard was promoted while
+    being read; key them by ``id``."""
+    for path in map(Path, paths):
+        if path.is_dir():
+            for partial in sorted(path.glob(RESPONSE_SHARD_GLOB + _PARTIAL_SUFFIX)):
+                try:
+                    yield from read_jsonl_tolerant(partial)
+                except FileNotFoundError:  # promoted to a complete shard meanwhile: read below
+                    pass
+        yield from read_responses([path])

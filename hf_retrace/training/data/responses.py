@@ -114,7 +114,7 @@ def _response_record(
 ) -> dict[str, Any]:
     """One shard record: the response up to the first eos, decoded, and its exact token ids."""
     response_ids, finish = _split_at_eos(generated, eos_ids)
-    return {
+    record = {
         "id": prompt.id,
         "prompt": prompt.prompt,
         "response": tokenizer.decode(response_ids, skip_special_tokens=True),
@@ -122,6 +122,9 @@ def _response_record(
         "response_tokens": len(response_ids),
         "response_ids": response_ids,
     }
+    if prompt.history:
+        record["history"] = list(prompt.history)
+    return record
 
 
 def generate_responses(
@@ -143,16 +146,17 @@ def generate_responses(
 
     Each record is ``{id, prompt, response, finish, response_tokens, response_ids}`` (``finish`` is ``"eos"`` or
     ``"length"``; ``response_tokens`` counts the response's tokens, the eos excluded; ``response_ids`` are the exact
-    tokens generated, which decoding and re-tokenizing does not always give back). Prompts are sorted by length and
-    cut into fixed batches (left-padded); ids already present in ``out_dir`` are skipped, so a killed run is resumed by
-    calling again with the same arguments and loses at most one batch. Batch ``k`` of the plan samples with seed
-    ``seed + k``, so a resumed sampled run equals an uninterrupted one. Prompts over ``max_prompt_tokens`` tokens
-    are skipped.
+    tokens generated, which decoding and re-tokenizing does not always give back), plus ``history`` (the earlier
+    turns, user and assistant alternating) for a prompt that has one: its answer continues that conversation.
+    Prompts are sorted by length and cut into fixed batches (left-padded); ids already present in ``out_dir`` are
+    skipped, so a killed run is resumed by calling again with the same arguments and loses at most one batch. Batch
+    ``k`` of the plan samples with seed ``seed + k``, so a resumed sampled run equals an uninterrupted one. Prompts
+    over ``max_prompt_tokens`` tokens are skipped.
     """
     from tqdm.auto import tqdm
 
     writer = ResponseShardWriter(Path(out_dir), shard_size)
-    token_ids = prompt_token_ids(tokenizer, [record.prompt for record in prompts])
+    token_ids = prompt_token_ids(tokenizer, [p.prompt for p in prompts], [p.history for p in prompts])
     too_long = {index for index, ids in enumerate(token_ids) if len(ids) > max_prompt_tokens}
     if too_long:
         logger.warning("Skipping %d prompts longer than %d tokens.", len(too_long), max_prompt_tokens)

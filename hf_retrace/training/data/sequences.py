@@ -35,15 +35,17 @@ def build_sequence(
     max_length: int,
     end_of_turn_id: int | None = None,
     response_ids: Sequence[int] | None = None,
+    history: Sequence[str] = (),
 ) -> tuple[list[int], list[int]] | None:
     """``(input_ids, loss_mask)`` for one answer: the chat prompt (mask 0), then the response (+ end of turn) (mask 1).
 
-    The prompt is rendered with the chat template and the response tokenized on its own with
+    The prompt (after ``history``'s earlier turns, all mask 0) is rendered with the chat template and the response
+    tokenized on its own with
     ``add_special_tokens=False`` (or taken from ``response_ids``, the exact generated tokens, when given); the
     end-of-turn token is appended when ``finish == "eos"``. The sequence is cut at
     ``max_length``; ``None`` when nothing of the response fits (or the response is empty and was cut by length).
     """
-    prompt_ids = prompt_token_ids(tokenizer, [prompt])[0]
+    prompt_ids = prompt_token_ids(tokenizer, [prompt], [history])[0]
     if response_ids is None:
         response_ids = tokenizer(response, add_special_tokens=False)["input_ids"]
     response_ids = list(response_ids)
@@ -152,6 +154,7 @@ def _tokenize_chunk(
         sequence = build_sequence(
             tokenizer, record["prompt"], record["response"], record["finish"],
             max_length=max_length, end_of_turn_id=end_of_turn_id, response_ids=record.get("response_ids"),
+            history=record.get("history", ()),
         )
         if sequence is None:
             num_skipped += 1
@@ -172,7 +175,8 @@ def tokenize_responses(
     """Turn response records into training sequences stored as memory-mappable shards; return the manifest.
 
     Inputs are JSONL files or directories written by :func:`generate_responses` (records ``{id, prompt, response,
-    finish}``; a record's ``response_ids``, when present, are used instead of re-tokenizing ``response``). Shard
+    finish}``; a record's ``response_ids``, when present, are used instead of re-tokenizing ``response``, and its
+    ``history`` is rendered before ``prompt``, masked like it). Shard
     ``k`` holds the sequences of source records ``k*shard_size ... (k+1)*shard_size - 1``:
     ``shard-0000k.input_ids.npy`` (int32, flat), ``.loss_mask.npy`` (uint8, flat), ``.offsets.npy`` (int64,
     ``num_sequences + 1``) and ``.ids.json``. ``manifest.json`` holds the settings, the per-shard counts and the

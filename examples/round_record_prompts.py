@@ -1,0 +1,39 @@
+"""Write the held-out training prompts the shipped drafter's rounds are recorded on (``hf-retrace calibrate``).
+
+8 GSM8K, 8 MATH and 8 ShareGPT training prompts that the shipped drafter never saw (not in the target-answer set it
+was trained on), drawn with a fixed seed; never dev or benchmark prompts. Data generation for later drafters must
+exclude these ids (``--exclude-ids`` of the data recipe, or drop them by hand).
+
+    python examples/round_record_prompts.py --data ../shared/data --out ~/.cache/hf_retrace_data/round-record-prompts.jsonl
+    hf-retrace calibrate --target default --drafter hf_retrace/default_drafter \
+        --prompts ~/.cache/hf_retrace_data/round-record-prompts.jsonl --limit 24 --max-new-tokens 128 --write
+"""
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+SOURCES = [("gsm8k-train.jsonl", "question", SUFFIX), ("math-train.jsonl", "problem", SUFFIX),
+           ("sharegpt-prompts.jsonl", "prompt", "")]
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser.add_argument("--data", required=True, help="the data folder holding train/ and target/")
+parser.add_argument("--out", required=True)
+parser.add_argument("--per-source", type=int, default=8)
+parser.add_argument("--seed", type=int, default=20261202)
+args = parser.parse_args()
+
+data = Path(args.data)
+trained_on = {json.loads(line)["id"] for line in open(data / "target" / "smollm2-135m-instruct-greedy.jsonl")}
+rng = random.Random(args.seed)
+out = []
+for name, field, suffix in SOURCES:
+    records = [json.loads(line) for line in open(data / "train" / name)]
+    records = [r for r in records if r["id"] not in trained_on and len(r[field]) < 1200]
+    out += [{"id": r["id"], "prompt": r[field] + suffix} for r in rng.sample(records, args.per_source)]
+Path(args.out).expanduser().parent.mkdir(parents=True, exist_ok=True)
+with open(Path(args.out).expanduser(), "w") as f:
+    f.writelines(json.dumps(r) + "\n" for r in out)
+print(f"{len(out)} prompts written to {args.out}: {[r['id'] for r in out]}")

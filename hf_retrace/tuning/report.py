@@ -1,0 +1,40 @@
+"""The tuner's result as a user reads it: this machine's cost table and the policy chosen per temperature."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..generation.policy import RoundPolicy
+
+__all__ = ["print_tuning"]
+
+
+def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
+    """Print ``tune()``'s result: verify costs, drafter costs, the best replayed candidates, the choices."""
+    costs = result["costs"]
+    verify = costs["verify_costs"]
+    print(f"[hf-retrace] one-token target step: {costs['step_seconds'] * 1000:.1f} ms; drafter round: "
+          f"{costs['draft_cost_chunk']:.2f} steps (2 slots scored), {costs['draft_cost_full']:.2f} (full block)")
+    print("verify cost of k drafts, in one-token steps:")
+    print("| k | " + " | ".join(str(k) for k in range(len(verify))) + " |")
+    print("|---" * (len(verify) + 1) + "|")
+    print("| cost | " + " | ".join(f"{c:.2f}" for c in verify) + " |")
+    for name, label in (("greedy", "T=0"), ("sampled", "T>0")):
+        table = result.get("tables", {}).get(name)
+        if show_table and table:
+            print(f"\nbest replayed policies at {label} (tokens per step-cost; plain decoding = 1):")
+            print("| confidence cut | lookup start..cap | tau | lookup share | tokens per step-cost |\n|---|---|---|---|---|")
+            seen = set()
+            for row in sorted(table, key=lambda r: -r["tokens_per_cost"]):
+                key = (row["confidence_cut"], tuple(row["lookup"] or ()))
+                if key in seen:
+                    continue
+                seen.add(key)
+                lookup = "off" if row["lookup"] is None else f"{row['lookup'][0]}..{row['lookup'][1]}"
+                cut = "full block" if row["confidence_cut"] is None else f"{row['confidence_cut']:g}"
+                print(f"| {cut} | {lookup} | {row['tau']:.2f} | {row['lookup_share']:.2f} | "
+                      f"{row['tokens_per_cost']:.3f} |")
+                if len(seen) == 8:
+                    break
+        print(f"[hf-retrace] {label}: {RoundPolicy.from_dict(result['policies'][name]).describe()}")
+    print(f"[hf-retrace] tuning took {result['seconds']:.1f} s")

@@ -1,0 +1,127 @@
+"""Choose the round policy for this machine: replay candidate policies over the drafter's recorded rounds under the
+measured costs, per temperature, and keep the one with the most tokens per step-cost; plain decoding where none
+beats plain by ``PLAIN_MARGIN``.
+
+The search is coordinate-wise (a cut alone, then lookup budgets at that cut, then the cut again under the best
+budget), about 40 replays: well under a second on a CPU for the shipped records.
+
+Example::
+
+    choice = choose_policies(records, costs, base=shipped_policy(drafter.config))
+    choice["greedy"].describe(), choice["sampled"].describe()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..generation.policy import RoundPolicy
+from .costs import MachineCosts
+from .records import RoundRecords
+from .replay import replay, replay_rounds
+
+__all__ = ["CUTS", "LOOKUP_BUDGETS", "PLAIN_MARGIN", "TIE", "best_row", "choose_policies", "search_policy"]
+
+CUTS: tuple[float | None, ...] = (None, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.8, 0.9)
+LOOKUP_BUDGETS: tuple[tuple[int, int] | None, ...] = (None, (1, 2), (1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16),
+                                                       (3, 8), (3, 16), (4, 32))
+PLAIN_MARGIN = 0.05  # speculate only where the replay beats plain by 5 %: the model of a round misses loop overhead
+TIE = 0.005  # rows within 0.5 % of the best are a tie: below what two measurements of one machine agree on
+
+
+def best_row(table: Sequence[dict[str, Any]], tie: float = TIE) -> dict[str, Any]:
+    """The row with the most tokens per step-cost; among rows within ``tie`` of it, the one with the highest tau
+    (more tokens per round loses least where verifying is cheaper than measured)."""
+    top = max(row["tokens_per_cost"] for row in table)
+    return max((row for row in table if row["tokens_per_cost"] >= top * (1 - tie)), key=lambda row: row["tau"])
+
+
+def _with_costs(policy: RoundPolicy, costs: MachineCosts, **changes: Any) -> RoundPolicy:
+    policy = policy.replace(**changes)
+    return policy.replace(verify_costs=costs.verify_costs, draft_cost=costs.draft_cost(policy.confidence_cut))
+
+
+def _budget(lookup: tuple[int, int] | None) -> dict[str, Any]:
+    return {"lookup": False} if lookup is None else {"lookup": True, "lookup_start": lookup[0],
+                                                     "lookup_cap": lookup[1]}
+
+
+def search_policy(answers: Sequence[Any], costs: MachineCosts, base: RoundPolicy, max_drafts: int,
+                  cuts: Sequence[float | None] = CUTS,
+                  budgets: Sequence[tuple[int, int] | None] = LOOKUP_BUDGETS) -> tuple[dict[str, Any], list[dict]]:
+    """The best replayed row for ``answers`` (one temperature's records; its ``policy``) and the table of every
+    replayed candidate."""
+    table: list[dict[str, Any]] = []
+
+    def walk(cut: float | None, lookup: tuple[int, int] | None) -> dict[str, Any]:
+        policy = _with_costs(base, costs, confidence_cut=cut, **_budget(lookup))
+        row = {"confidence_cut": cut, "lookup": lookup, "policy": policy, **replay(answers, policy, max_drafts)}
+        table.append(row)
+        return row
+
+    best = best_row([walk(cut, None) for cut in cuts])
+    best = best_row([walk(best["confidence_cut"], b) for b in budgets])
+    best = best_row([walk(cut, best["lookup"]) for cut in cuts])
+    if base.lookup or base.confidence_cut is not None:  # the shipped constants are a candidate too
+        shipped = walk(base.confidence_cut, (base.lookup_start, base.lookup_cap) if base.lookup else None)
+        best = best_row([best, shipped])
+    return best, table
+
+
+def _plain(reason: str, base: RoundPolicy) -> RoundPolicy:
+    return base.replace(speculate=False, reason=reason, source="tuned")
+
+
+def choose_policies(records: RoundRecords, costs: MachineCosts, base: RoundPolicy) -> dict[str, Any]:
+    """``{"greedy": policy, "sampled": policy, "tables": ...}``: the tuned policy per temperature (greedy: T=0;
+    sampled: T>0, recorded at ``records.temperature``). A temperature without records keeps ``base`` (with the
+    guard armed by the measured costs)."""
+    max_drafts = records.block_size - 1
+    result: dict[str, Any] = {"tables": {}}
+    for name, answers in (("greedy", records.greedy), ("sampled", records.sampled)):
+        if not answers:
+            result[name] = _with_costs(base, costs).replace(source="shipped", reason="no recorded rounds to replay")
+            continue
+        best, table = search_policy(answers, costs, base.replace(proposal_mode="argmax"), max_drafts)
+        policy = best["policy"]
+        if name == "sampled" and records.sample_rounds:
+            policy = _proposal_mode(records, policy, costs, result["tables"])
+        speedup = best["tokens_per_cost"]
+        if speedup < 1 + PLAIN_MARGIN:
+            policy = _plain(f"the best replayed policy commits {speedup:.2f} tokens per step-cost on this machine, "
+                            f"under plain decoding's 1 + {PLAIN_MARGIN:g}", base)
+        else:
+            policy = policy.replace(source="tuned", expected_speedup=round(speedup, 3))
+        result[name] = policy
+        result["tables"][name] = [{k: v for k, v in row.items() if k != "policy"} for row in table]
+    return result
+
+
+def _proposal_mode(records: RoundRecords, policy: RoundPolicy, costs: MachineCosts, tables: dict) -> RoundPolicy:
+    """Sampled proposals (rejection sampling) instead of argmax ones (sample-and-match) where their recorded rounds
+    replay better at the same cut, lookup left as chosen."""
+    argmax_rounds = [row for a in records.sampled for row in _full_block_rounds(a, records.block_size - 1)]
+    rows = []
+    for mode, rounds in (("argmax", argmax_rounds), ("sample", records.sample_rounds)):
+        for cut in CUTS:
+            candidate = _with_costs(policy, costs, confidence_cut=cut, proposal_mode=mode)
+            rows.append({"proposal_mode": mode, "confidence_cut": cut, **replay_rounds(rounds, candidate)})
+    tables["proposal_mode"] = rows
+    best = best_row(rows)
+    if best["proposal_mode"] == "argmax":
+        return policy
+    return _with_costs(policy, costs, proposal_mode="sample", confidence_cut=best["confidence_cut"])
+
+
+def _full_block_rounds(answer: Any, max_drafts: int) -> list[tuple[list[float], int]]:
+    """An answer's anchors as full-block drafter rounds ``(confidences, accepted)`` (every anchor, not a walk: the
+    same sampling of positions as the recorded sampled-proposal rounds, which are walks; close enough to compare)."""
+    rows = []
+    for a, (drafts, confidences) in enumerate(zip(answer.drafts, answer.confidences)):
+        p = answer.start + a
+        n = 0
+        while n < min(max_drafts, len(drafts)) and p + 1 + n < len(answer.tokens) and drafts[n] == answer.tokens[p + 1 + n]:
+            n += 1
+        rows.append((list(confidences[:max_drafts]), n))
+    return rows

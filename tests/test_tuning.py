@@ -1,0 +1,308 @@
+"""The round policy tuned to the machine: the replay walks the generator's own rounds, the search follows the cost
+curve (flat: long blocks and copies; row-proportional: short blocks; nothing pays: plain), the cache survives bad
+files and concurrent writers, every override wins where documented, and plain decoding is plain."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import random
+
+import pytest
+import torch
+from helpers import tiny_drafter, tiny_target
+
+import hf_retrace
+from hf_retrace.generation.policy import RoundGuard, RoundPolicy, confident_prefix
+from hf_retrace.training.calibrate import record_answers, record_round_records
+from hf_retrace.tuning import auto
+from hf_retrace.tuning.costs import MachineCosts, measure_costs, measure_verify_costs
+from hf_retrace.tuning.records import AnswerRecord, RoundRecords
+from hf_retrace.tuning.replay import replay, replay_rounds
+from hf_retrace.tuning.search import choose_policies
+
+FLAT = MachineCosts(tuple(1.0 + 0.01 * k for k in range(33)), 0.05, 0.05, 0.01)  # a GPU, a CPU with bf16 units
+ROWS = MachineCosts(tuple(1.0 + 0.4 * k for k in range(33)), 0.15, 0.3, 0.04)  # AVX2 bf16: cost grows with rows
+
+
+def _synthetic_answers(seed: int, right: float, loops: bool, n: int = 6, length: int = 120) -> list[AnswerRecord]:
+    """Answers whose drafts are right slot by slot with probability ``right`` (more confident when right than when
+    wrong); with ``loops``, every answer repeats a 12-token phrase (what context lookup copies)."""
+    rng = random.Random(seed)
+    answers = []
+    for _ in range(n):
+        phrase = [rng.randrange(1000, 2000) for _ in range(12)]
+        tokens = [rng.randrange(0, 1000) for _ in range(8)]
+        while len(tokens) < length:
+            tokens += phrase if loops else [rng.randrange(0, 1000) for _ in range(12)]
+        tokens = tokens[:length]
+        drafts, confidences = [], []
+        for p in range(8, length - 1):
+            row, conf, ok = [], [], True
+            for j in range(7):
+                truth = tokens[p + 1 + j] if p + 1 + j < length else 0
+                ok = ok and rng.random() < right
+                row.append(truth if ok else 3000 + j)
+                # confidence tells right from wrong only on average: every cut loses some right slots
+                conf.append(rng.uniform(0.02, 1.0) if ok else rng.uniform(0.0, 0.6))
+            drafts.append(row)
+            confidences.append(conf)
+        answers.append(AnswerRecord(tokens, 8, drafts, confidences))
+    return answers
+
+
+def _records(right: float, loops: bool) -> RoundRecords:
+    answers = _synthetic_answers(0, right, loops)
+    return RoundRecords(block_size=8, greedy=answers, sampled=_synthetic_answers(1, right, loops))
+
+
+def test_a_flat_cost_curve_picks_full_blocks_and_long_lookup_copies():
+    choice = choose_policies(_records(0.8, loops=True), FLAT, RoundPolicy(lookup=True))
+    policy = choice["greedy"]
+    assert policy.speculate and policy.source == "tuned"
+    assert policy.confidence_cut is None or policy.confidence_cut <= 0.1  # (almost) every slot drafted
+    assert policy.lookup and policy.lookup_cap >= 16
+    assert policy.verify_costs == FLAT.verify_costs and policy.expected_speedup > 2
+
+
+def test_a_row_proportional_cost_curve_picks_short_blocks():
+    choice = choose_policies(_records(0.85, loops=False), ROWS, RoundPolicy())
+    flat = choose_policies(_records(0.85, loops=False), FLAT, RoundPolicy())
+    short, long = choice["greedy"], flat["greedy"]
+    assert short.speculate and short.confidence_cut is not None and short.confidence_cut > 0.1
+    # the cut's replayed block is shorter than the flat curve's
+    assert replay(_records(0.85, False).greedy, short, 7)["tau"] < replay(_records(0.85, False).greedy, long, 7)["tau"]
+
+
+def test_where_nothing_pays_the_tuner_decodes_plainly():
+    choice = choose_policies(_records(0.05, loops=False), ROWS, RoundPolicy(lookup=True))
+    for name in ("greedy", "sampled"):
+        assert not choice[name].speculate
+        assert "tokens per step-cost" in choice[name].reason
+
+
+def test_the_replay_counts_rounds_and_costs_as_the_policy_prices_them():
+    answers = _synthetic_answers(2, 0.7, loops=False, n=2)
+    policy = RoundPolicy(confidence_cut=0.5, verify_costs=(1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5), draft_cost=0.2)
+    result = replay(answers, policy, 7, keep_rounds=True)
+    cost = sum(policy.round_cost(k, source == "lookup") for source, k, _ in result["round_log"])
+    cost += result["plain_steps"]
+    assert result["tokens_per_cost"] == pytest.approx(result["tokens"] / cost)
+    assert result["tokens"] == sum(len(a.tokens) - 1 - a.start for a in answers)  # every token after the prefill's
+    rounds = [([0.9, 0.8, 0.3, 0.9], 2), ([0.5, 0.2, 0.1, 0.1], 0)]
+    cut = replay_rounds(rounds, policy)  # 2 slots (3 tokens) + 1 slot (1 token)
+    assert cut["tau"] == 2.0 and cut["mean_drafted"] == 1.5
+    assert cut["tokens_per_cost"] == pytest.approx(4 / (0.2 + 2.0 + 0.2 + 1.5))
+
+
+@pytest.mark.parametrize("cut, start, cap, guarded", [(None, 2, 10, False), (0.3, 1, 4, True), (0.6, 3, 6, True)])
+def test_replay_and_generate_agree_round_by_round(cut, start, cap, guarded):
+    target = tiny_target(dtype=torch.float32, logit_scale=4.0, seed=4)
+    drafter = tiny_drafter(target, block_size=6, dtype=torch.float32, seed=5)
+    costs = (1.0, 1.6, 2.2, 2.8, 3.4, 4.0) if guarded else None  # expensive verifies: the guard backs off at times
+    policy = RoundPolicy(confidence_cut=cut, lookup=True, lookup_min_ngram=1, lookup_start=start, lookup_cap=cap,
+                         verify_costs=costs, draft_cost=0.3 if guarded else None)
+    prompt = torch.tensor([[7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 30, 31, 7]])
+    target.generation_config.eos_token_id = None  # the answer runs to max_new_tokens: no end-of-text cut
+    view = drafter.with_policy(policy)
+    out = target.generate(prompt, assistant_model=view, max_new_tokens=48, do_sample=False)
+    stats = view.last_stats
+    generated = list(zip(stats.round_sources, stats.draft_lengths, [a - 1 for a in stats.acceptance_lengths]))
+    assert {source for source, _, _ in generated} == {"drafter", "lookup"}, "both sources must be exercised"
+    loss_mask = torch.zeros_like(out[0])
+    loss_mask[prompt.shape[1] :] = 1
+    records = record_answers(target, drafter, [{"input_ids": out[0], "loss_mask": loss_mask}])
+    walked = replay(records, policy, drafter.config.block_size - 1, keep_rounds=True)
+    assert walked["round_log"] == generated
+    assert walked["tokens"] == out.shape[1] - prompt.shape[1] - 1  # every token after the prefill's
+    if guarded:
+        assert walked["plain_steps"] > 1 and stats.guard_plain_steps == walked["plain_steps"] - 1  # (the last: no room)
+
+
+def test_the_guard_backs_off_below_plain_and_drafts_again_after_its_period():
+    policy = RoundPolicy(verify_costs=(1.0, 1.2, 1.4), draft_cost=0.5)
+    guard = RoundGuard(policy, window=4, first_backoff=4)
+    for p in range(4):  # 4 rounds of 2 drafts, none accepted: 1 token per 1.9 steps
+        assert guard.drafts_at(p)
+        guard.record(p, 2, 0, False)
+    assert [guard.drafts_at(p) for p in range(4, 10)] == [False] * 4 + [True, True]
+    for p in range(8, 12):  # bad again: the period doubles
+        guard.record(p, 2, 0, False)
+    assert not guard.drafts_at(12 + 7) and guard.drafts_at(12 + 8) and guard.backoff == 16
+    for p in range(20, 24):  # 2 drafts, both accepted: 3 tokens per 1.9 steps, above plain: the period resets
+        guard.record(p, 2, 2, False)
+    assert guard.backoff == 4 and guard.drafts_at(24) and guard.backed_off == 4 + 1
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_RETRACE_POLICY", "auto")
+    auto._MEMO.clear()
+    yield tmp_path
+    auto._MEMO.clear()
+
+
+def _fake_tune(calls: list):
+    def tune(target, drafter, records=None):
+        calls.append(1)
+        policy = RoundPolicy(confidence_cut=0.4, lookup=True, lookup_cap=7, source="tuned")
+        return {"policies": {"greedy": policy.to_dict(), "sampled": policy.replace(lookup=False).to_dict()},
+                "costs": FLAT.to_dict(), "tables": {}, "seconds": 0.0}
+    return tune
+
+
+def test_the_tuned_policy_is_cached_and_read_back_by_a_later_process(cache_dir, monkeypatch, capsys):
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _fake_tune(calls))
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, dtype=torch.float32)
+    greedy = auto.auto_policy(drafter, target, target.generation_config)
+    assert calls == [1] and greedy.lookup_cap == 7 and "tuning the round policy" in capsys.readouterr().err
+    (path,) = (cache_dir / "policies").glob("*.json")
+    auto._MEMO.clear()  # a new process: only the file remains
+    sampled_config = target.generation_config.__class__(do_sample=True)
+    assert auto.auto_policy(drafter, target, sampled_config).lookup is False
+    assert auto.auto_policy(drafter, target, target.generation_config) == greedy and calls == [1]
+    # another thread count is another machine: tuned again, in another file
+    auto._MEMO.clear()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        auto.auto_policy(drafter, target, target.generation_config)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1, 1] and len(list((cache_dir / "policies").glob("*.json"))) == 2
+    assert json.loads(path.read_text())["key"]["threads"] == threads
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "wrong key", "unknown field"])
+def test_a_bad_cache_file_is_measured_again_never_fatal(cache_dir, monkeypatch, capsys, damage):
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _fake_tune(calls))
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, dtype=torch.float32)
+    auto.auto_policy(drafter, target, target.generation_config)
+    (path,) = (cache_dir / "policies").glob("*.json")
+    data = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_bytes(b"\x00\xff not json")
+    elif damage == "truncated":
+        path.write_text(path.read_text()[:40])
+    elif damage == "wrong key":
+        data["key"]["torch"] = "0.0"
+        path.write_text(json.dumps(data))
+    else:
+        data["policies"]["greedy"]["warp_speed"] = 9
+        path.write_text(json.dumps(data))
+    auto._MEMO.clear()
+    assert auto.auto_policy(drafter, target, target.generation_config).lookup_cap == 7
+    assert calls == [1, 1]
+    assert json.loads(path.read_text())["policies"]["greedy"]["lookup_cap"] == 7  # rewritten whole
+
+
+def _write_many(path: str, tag: int) -> None:
+    from pathlib import Path
+
+    for i in range(200):
+        auto.write_atomically(Path(path), {"writer": tag, "i": i, "pad": "x" * 20000})
+
+
+def test_two_concurrent_writers_leave_one_valid_file(tmp_path):
+    path = tmp_path / "policies" / "same.json"
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_many, args=(str(path), tag)) for tag in (1, 2)]
+    for w in writers:
+        w.start()
+    seen = set()
+    while any(w.is_alive() for w in writers):
+        if path.exists():
+            seen.add(json.loads(path.read_text())["writer"])  # never a partial file
+    for w in writers:
+        w.join()
+        assert w.exitcode == 0
+    final = json.loads(path.read_text())
+    assert final["writer"] in (1, 2) and final["i"] == 199 and not list(path.parent.glob(".*.tmp"))
+
+
+def test_every_override_wins_where_documented(cache_dir, monkeypatch, tmp_path):
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _fake_tune(calls))
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, dtype=torch.float32)
+    drafter.config.draft_confidence_threshold = 0.55
+    config = target.generation_config
+    resolve = hf_retrace.generation.policy.resolve_policy
+    assert resolve(drafter, target, config).lookup_cap == 7  # auto: tuned
+    monkeypatch.setenv("HF_RETRACE_POLICY", "shipped")
+    assert resolve(drafter, target, config).confidence_cut == 0.55
+    monkeypatch.setenv("HF_RETRACE_POLICY", "off")
+    assert not resolve(drafter, target, config).speculate
+    policy_file = tmp_path / "p.json"
+    policy_file.write_text(json.dumps(RoundPolicy(confidence_cut=0.25).to_dict()))
+    monkeypatch.setenv("HF_RETRACE_POLICY", str(policy_file))
+    assert resolve(drafter, target, config).confidence_cut == 0.25
+    assert resolve(drafter.with_policy(lookup_cap=3), target, config).lookup_cap == 3  # changes on top of the env's
+    explicit = RoundPolicy(confidence_cut=0.9)
+    assert resolve(drafter.with_policy(explicit), target, config) is explicit  # a view's own policy beats everything
+    monkeypatch.setenv("HF_RETRACE_POLICY", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="expected auto, shipped, off"):
+        resolve(drafter, target, config)
+    assert drafter.config.draft_confidence_threshold == 0.55 and calls == [1]  # nothing shared was changed
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_the_plain_policy_is_plain_generate_and_runs_no_drafter_forward(monkeypatch, do_sample):
+    target = tiny_target(dtype=torch.float32, logit_scale=4.0, seed=4)
+    drafter = tiny_drafter(target, block_size=6, dtype=torch.float32, seed=5)
+    forwards = []
+    original = type(drafter).forward
+    monkeypatch.setattr(type(drafter), "forward", lambda self, *a, **k: forwards.append(1) or original(self, *a, **k))
+    prompt = torch.tensor([[7, 8, 9, 10, 11, 12]])
+    kwargs = dict(max_new_tokens=24, do_sample=do_sample, return_dict_in_generate=True, output_scores=True)
+    torch.manual_seed(0)
+    plain = target.generate(prompt, **kwargs)
+    view = drafter.with_policy(RoundPolicy(speculate=False, reason="tested"))
+    torch.manual_seed(0)
+    ours = target.generate(prompt, assistant_model=view, **kwargs)
+    assert torch.equal(plain.sequences, ours.sequences) and not forwards
+    assert all(torch.equal(a, b) for a, b in zip(plain.scores, ours.scores))
+    assert view.last_stats.rounds == 0 and view.last_stats.policy.startswith("plain decoding") and "tested" in view.last_stats.policy
+    forwards.clear()
+    target.generate(prompt, assistant_model=drafter.with_policy(RoundPolicy()), max_new_tokens=8)
+    assert forwards  # the counter sees a drafting call
+
+
+def test_measured_costs_are_relative_and_never_fall_with_more_drafts():
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)
+    verify = measure_verify_costs(target, 5, context_length=8, repeats=1)
+    assert len(verify) == 6 and verify[0] == 1 and all(b >= a for a, b in zip(verify, verify[1:]))
+    costs = measure_costs(target, drafter, max_drafts=6, context_length=8, repeats=1)
+    assert len(costs.verify_costs) == 7 and costs.draft_cost_chunk > 0 and costs.draft_cost_full > 0
+
+
+def test_recorded_rounds_round_trip_and_replay_the_generators_cut(tmp_path):
+    target = tiny_target(dtype=torch.float32, logit_scale=4.0)
+    drafter = tiny_drafter(target, block_size=6, dtype=torch.float32)
+    records = record_round_records(target, drafter, [[5, 9, 14, 2, 7, 7, 30], [11, 12, 13, 40, 2]], max_new_tokens=16,
+                                   progress=False)
+    assert len(records.greedy) == 2 and len(records.sampled) == 2 and records.sample_rounds
+    assert all(1 <= len(conf) <= 5 and 0 <= acc <= len(conf) for conf, acc in records.sample_rounds)
+    assert max(len(conf) for conf, _ in records.sample_rounds) == 5  # full blocks (shorter only at the end)
+    path = records.save(tmp_path)
+    loaded = RoundRecords.load(tmp_path)
+    assert loaded.greedy[0].tokens == records.greedy[0].tokens and loaded.sample_rounds[0][1] == records.sample_rounds[0][1]
+    assert path.stat().st_size < 50_000
+    path.write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="hf-retrace calibrate"):
+        RoundRecords.load(tmp_path)
+    # greedy output never depends on the cut: a cut replayed on full-block confidences is the generator's cut
+    full = drafter.with_policy(RoundPolicy(confidence_cut=0.0))
+    prompt = torch.tensor([[5, 9, 14, 2, 7, 7, 30]])
+    target.generate(prompt, assistant_model=full, max_new_tokens=16, do_sample=False)
+    first = full.last_stats.slot_confidences[0]
+    threshold = min(first[2] + 1e-6, 0.999)
+    cut = drafter.with_policy(RoundPolicy(confidence_cut=threshold))
+    target.generate(prompt, assistant_model=cut, max_new_tokens=16, do_sample=False)
+    assert len(cut.last_stats.slot_confidences[0]) == confident_prefix(first, threshold) <= 2
