@@ -23,6 +23,11 @@ def build_target_layer_ids(num_target_layers: int, num_draft_features: int) -> l
     return [int(round(start + i * span / (num_draft_features - 1))) for i in range(num_draft_features)]
 
 
+def layers_out_of_range(target_layer_ids: Any, num_layers: int) -> list[int]:
+    """The tapped layer ids that a ``num_layers``-layer target does not have (the one range rule)."""
+    return [i for i in target_layer_ids if not 0 <= i < num_layers]
+
+
 def drafter_target_mismatches(drafter_config: Any, target_config: Any) -> list[str]:
     """Why a drafter cannot draft for a target, read from the two configs (empty: it fits). The one rule, used by
     ``generate``'s dispatch, the benchmark and training: a DFlash drafter borrows the target's embeddings, lm_head and
@@ -35,7 +40,7 @@ def drafter_target_mismatches(drafter_config: Any, target_config: Any) -> list[s
                         f"has {text.vocab_size}")
     if d.hidden_size != text.hidden_size:
         problems.append(f"the drafter's hidden size is {d.hidden_size} but the target has {text.hidden_size}")
-    bad = [i for i in d.target_layer_ids if not 0 <= i < text.num_hidden_layers]
+    bad = layers_out_of_range(d.target_layer_ids, text.num_hidden_layers)
     if bad:
         problems.append(f"the drafter reads target layers {d.target_layer_ids}, but the target has only "
                         f"{text.num_hidden_layers} layers (target_layer_ids {bad} out of range)")

@@ -42,3 +42,16 @@ def test_generate_and_training_tap_identical_features(source, monkeypatch):
     training = tapped_hidden_states(target, prompt, None, layer_ids)
     assert prefill.shape == training.shape == (1, prompt.shape[1], 3 * target.config.hidden_size)
     assert torch.equal(prefill, training)
+
+
+def test_a_layer_the_target_lacks_is_refused_by_training_and_by_generate_alike():
+    from hf_retrace.configuration import drafter_target_mismatches
+
+    target = tiny_target(dtype=torch.float32)
+    layers = target.config.num_hidden_layers
+    with pytest.raises(ValueError, match=rf"target_layer_ids \[0, {layers}\] out of range for a {layers}-layer target"):
+        tapped_hidden_states(target, torch.tensor([[1, 2, 3]]), None, [0, layers])
+    drafter = tiny_drafter(target)
+    drafter.config.target_layer_ids = [0, layers]
+    assert any(f"target_layer_ids [{layers}] out of range" in p
+               for p in drafter_target_mismatches(drafter.config, target.config))

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..configuration import layers_out_of_range
 from ..generation.target_features import decoder_of, extract_context_feature
 
 __all__ = ["OnlineFeatures", "collate_sequences", "tapped_hidden_states"]
@@ -37,7 +38,7 @@ def tapped_hidden_states(
     """``[b, T, n*H]``: :func:`extract_context_feature` of a no-grad forward of the target's decoder (lm_head
     skipped)."""
     num_layers = target.config.get_text_config().num_hidden_layers
-    bad = [i for i in target_layer_ids if not 0 <= i < num_layers]
+    bad = layers_out_of_range(target_layer_ids, num_layers)
     if bad:
         raise ValueError(f"target_layer_ids {list(target_layer_ids)} out of range for a {num_layers}-layer target.")
     out = decoder_of(target)(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
