@@ -8,11 +8,18 @@ Slot ``n+1`` holds the target's correction, the next anchor, so nothing is kept 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import nn
 
 from .configuration import RETRACE_ABLATIONS, ReTraceConfig
+
+
+def first_kept_slot(accepted: Any) -> Any:
+    """The first slot of a block that a round keeps: ``n + 2`` after ``n`` accepted drafts (slot ``n + 1`` holds the
+    target's correction). An int, or a tensor of accepted counts (the training stage's blocks)."""
+    return accepted + 2
 
 
 @dataclass(frozen=True)

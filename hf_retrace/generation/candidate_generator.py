@@ -20,7 +20,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from ..retrace import PendingSuffix
+from ..retrace import PendingSuffix, first_kept_slot
 from ..stats import GenerationStats, last_stats_slot
 from .lookup import ContextLookup
 from .policy import RoundPolicy
@@ -187,9 +187,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         if draft.from_lookup:
             self.lookup_budget = self.policy.next_lookup_budget(k, accepted)
             return  # ReTrace keeps the drafter's own trajectories only
-        if accepted + 1 >= k:  # nothing beyond the first rejection (or all accepted): nothing to keep
+        if first_kept_slot(accepted) > k:  # nothing beyond the first rejection (or all accepted): nothing to keep
             return
-        slots = torch.arange(accepted + 2, k + 1, device=draft.tokens.device)  # 1-based slots j = n+2 .. k
+        slots = torch.arange(first_kept_slot(accepted), k + 1, device=draft.tokens.device)  # 1-based j = n+2..k
         rejected = draft.tokens[slots - 1]
         self.stats.rounds_with_kept_suffix += 1
         if self.policy.kept_suffix_stats:  # research statistics: host transfers, off the hot path unless asked for

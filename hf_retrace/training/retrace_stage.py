@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..generation.target_features import cache_kwargs, decoder_of, extract_context_feature
-from ..retrace import AlignedSuffix, RejectedSuffix
+from ..retrace import AlignedSuffix, RejectedSuffix, first_kept_slot
 from .objective import DEFAULT_GAMMA, DFlashObjective, sample_anchors
 
 VERIFICATION_MODES = ("exact", "teacher-forced")
@@ -122,7 +122,7 @@ class ReTraceObjective(DFlashObjective):
         n = first["accepted"]  # [b, N]
         b, n_blocks = n.shape
         slot = torch.arange(1, block_size, device=n.device)  # j = 1..B-1
-        kept = slot >= n[..., None] + 2
+        kept = slot >= first_kept_slot(n[..., None])
         positions = torch.where(kept, first["anchors"][..., None] + slot, -1)
 
         def rows(x: torch.Tensor) -> torch.Tensor:
