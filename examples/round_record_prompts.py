@@ -4,7 +4,7 @@
 was trained on), drawn with a fixed seed; never dev or benchmark prompts. Data generation for later drafters must
 exclude these ids (``--exclude-ids`` of the data recipe, or drop them by hand).
 
-    python examples/round_record_prompts.py --data ../shared/data --out ~/.cache/hf_retrace_data/round-record-prompts.jsonl
+    python examples/round_record_prompts.py --data DATA_DIR --out ~/.cache/hf_retrace_data/round-record-prompts.jsonl
     hf-retrace calibrate --target default --drafter hf_retrace/default_drafter \
         --prompts ~/.cache/hf_retrace_data/round-record-prompts.jsonl --limit 24 --max-new-tokens 128 --write
 """

@@ -251,14 +251,21 @@ def _uninterrupted_run(target, tmp_path):
     return data, fresh, full
 
 
+def _killed_run(target, data, fresh, out_dir, kill_at_batch: int):
+    """A 6-step run (checkpoints every 2 steps) killed at its ``kill_at_batch``-th micro-batch; returns its drafter."""
+    drafter = fresh()
+    killed = _trainer(target, drafter, out_dir, max_steps=6, dataset=data, save_every=2,
+                      feature_fn=_Killer(OnlineFeatures(target, drafter.config.target_layer_ids), kill_at_batch))
+    with pytest.raises(KeyboardInterrupt):
+        killed.train()
+    return drafter
+
+
 def test_resume_after_kill_matches_uninterrupted_run(counting_target, tmp_path):
     target = counting_target
     data, fresh, full = _uninterrupted_run(target, tmp_path)
-    killed_drafter = fresh()
-    killed = _trainer(target, killed_drafter, tmp_path / "killed", max_steps=6, dataset=data, save_every=2,
-                      feature_fn=_Killer(OnlineFeatures(target, killed_drafter.config.target_layer_ids), 7))
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()  # dies in the middle of step 4 (its 2nd micro-batch): the last checkpoint is step-2
+    _killed_run(target, data, fresh, tmp_path / "killed", 7)
+    # died in the middle of step 4 (its 2nd micro-batch): the last checkpoint is step-2
     assert latest_checkpoint(tmp_path / "killed").name == "step-2"
     assert not list((tmp_path / "killed").rglob("*.pkl")), "a checkpoint holds a pickle (resume would unpickle it)"
     with open(tmp_path / "killed" / "train_log.jsonl", "a") as log_file:
@@ -311,11 +318,7 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(counting_target, tmp_pat
 
     target = counting_target
     data, fresh, full = _uninterrupted_run(target, tmp_path)
-    killed_drafter = fresh()
-    killed = _trainer(target, killed_drafter, tmp_path / "run", max_steps=6, dataset=data, save_every=2,
-                      feature_fn=_Killer(OnlineFeatures(target, killed_drafter.config.target_layer_ids), 9))
-    with pytest.raises(KeyboardInterrupt):
-        killed.train()  # dies in step 5: checkpoints step-2 and step-4
+    _killed_run(target, data, fresh, tmp_path / "run", 9)  # died in step 5: step-2 and step-4
     newest = tmp_path / "run" / "checkpoints" / "step-4"
     optimizer_file = newest / "optimizer.pt"
     with open(optimizer_file, "r+b") as handle:

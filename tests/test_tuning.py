@@ -107,6 +107,8 @@ def test_replay_and_generate_agree_round_by_round(cut, start, cap, guarded):
     view = drafter.with_policy(policy)
     out = target.generate(prompt, assistant_model=view, max_new_tokens=48, do_sample=False)
     stats = view.last_stats
+    # lossless through the guard's back-offs too (rounds with no drafter forward, held context rows): plain's tokens
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=48, do_sample=False))
     generated = list(zip(stats.round_sources, stats.draft_lengths, [a - 1 for a in stats.acceptance_lengths]))
     assert {source for source, _, _ in generated} == {"drafter", "lookup"}, "both sources must be exercised"
     loss_mask = torch.zeros_like(out[0])
@@ -131,7 +133,7 @@ def test_the_guard_backs_off_below_plain_and_drafts_again_after_its_period():
     assert not guard.drafts_at(12 + 7) and guard.drafts_at(12 + 8) and guard.backoff == 16
     for p in range(20, 24):  # 2 drafts, both accepted: 3 tokens per 1.9 steps, above plain: the period resets
         guard.record(p, 2, 2, False)
-    assert guard.backoff == 4 and guard.drafts_at(24) and guard.backed_off == 4 + 1
+    assert guard.backoff == 4 and guard.drafts_at(24)
 
 
 @pytest.fixture

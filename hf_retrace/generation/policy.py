@@ -16,17 +16,14 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..configuration import PROPOSAL_MODES, RETRACE_ABLATIONS
 
-__all__ = ["PROPOSAL_MODES", "RoundGuard", "RoundPolicy", "confident_prefix", "resolve_policy",
-           "set_policy_resolver", "shipped_policy", "verify_cost"]
-
-"""Under sampling: ``argmax`` drafts verified by sample-and-match; ``sample``: sampled drafts + rejection sampling."""
+__all__ = ["RoundGuard", "RoundPolicy", "confident_prefix", "resolve_policy", "set_policy_resolver", "shipped_policy",
+           "verify_cost"]
 
 
 def confident_prefix(confidences: Sequence[float], threshold: float | None) -> int:
@@ -162,12 +159,6 @@ class RoundPolicy:
             raise ValueError(f"Unknown round-policy fields {unknown}; known: {sorted(names)}.")
         return cls(**data)
 
-    @classmethod
-    def from_json_file(cls, path: str) -> "RoundPolicy":
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-        return cls.from_dict(data.get("policy", data) if isinstance(data, dict) else data).replace(source="file")
-
     def describe(self) -> str:
         """One line a user can look up in the README: what rounds this policy runs, and why."""
         if not self.speculate:
@@ -200,14 +191,10 @@ class RoundGuard:
         self.recent: list[tuple[int, float]] = []
         self.backoff = first_backoff
         self.plain_until = -1  # positions before this one decode plainly
-        self.backed_off = 0  # positions decoded plainly by the guard in this call
 
     def drafts_at(self, position: int) -> bool:
         """Whether a round anchored at ``position`` may draft (False: the target steps alone)."""
-        if position < self.plain_until:
-            self.backed_off += 1
-            return False
-        return True
+        return position >= self.plain_until
 
     def record(self, position: int, drafted: int, accepted: int, from_lookup: bool) -> None:
         """Count a verified round anchored at ``position``; back off when the window falls below plain."""

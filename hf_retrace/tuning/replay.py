@@ -19,12 +19,14 @@ from ..generation.lookup import ContextLookup
 from ..generation.policy import RoundPolicy
 from .records import AnswerRecord
 
-__all__ = ["replay", "replay_rounds"]
+__all__ = ["accepted_prefix", "replay", "replay_rounds"]
 
 
-def _accepted(proposal: Sequence[int], tokens: Sequence[int], anchor: int) -> int:
-    n = 0
-    while n < len(proposal) and proposal[n] == tokens[anchor + 1 + n]:
+def accepted_prefix(proposal: Sequence[int], tokens: Sequence[int], anchor: int) -> int:
+    """How many of ``proposal`` (drafts for positions ``anchor + 1 ..``) the greedy answer ``tokens`` accepts: the
+    matching prefix, up to the answer's end."""
+    n, limit = 0, min(len(proposal), len(tokens) - anchor - 1)
+    while n < limit and proposal[n] == tokens[anchor + 1 + n]:
         n += 1
     return n
 
@@ -59,7 +61,7 @@ def replay(answers: Sequence[AnswerRecord], policy: RoundPolicy, max_drafts: int
                 k = min(policy.cut(record.confidences[a][:max_drafts]), max_drafts, room)
                 proposal = record.drafts[a][:k]
             k = len(proposal)
-            accepted = _accepted(proposal, seq, p)
+            accepted = accepted_prefix(proposal, seq, p)
             if source == "lookup":
                 budget = policy.next_lookup_budget(k, accepted)
                 lookup_rounds += 1

@@ -19,7 +19,7 @@ from typing import Any
 from ..generation.policy import RoundPolicy
 from .costs import MachineCosts
 from .records import RoundRecords
-from .replay import replay, replay_rounds
+from .replay import accepted_prefix, replay, replay_rounds
 
 __all__ = ["CUTS", "LOOKUP_BUDGETS", "PLAIN_MARGIN", "TIE", "best_row", "choose_policies", "search_policy"]
 
@@ -117,11 +117,5 @@ def _proposal_mode(records: RoundRecords, policy: RoundPolicy, costs: MachineCos
 def _full_block_rounds(answer: Any, max_drafts: int) -> list[tuple[list[float], int]]:
     """An answer's anchors as full-block drafter rounds ``(confidences, accepted)`` (every anchor, not a walk: the
     same sampling of positions as the recorded sampled-proposal rounds, which are walks; close enough to compare)."""
-    rows = []
-    for a, (drafts, confidences) in enumerate(zip(answer.drafts, answer.confidences)):
-        p = answer.start + a
-        n = 0
-        while n < min(max_drafts, len(drafts)) and p + 1 + n < len(answer.tokens) and drafts[n] == answer.tokens[p + 1 + n]:
-            n += 1
-        rows.append((list(confidences[:max_drafts]), n))
-    return rows
+    return [(list(confidences[:max_drafts]), accepted_prefix(drafts[:max_drafts], answer.tokens, answer.start + a))
+            for a, (drafts, confidences) in enumerate(zip(answer.drafts, answer.confidences))]
