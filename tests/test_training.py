@@ -251,6 +251,15 @@ def _uninterrupted_run(target, tmp_path):
     return data, fresh, full
 
 
+def _assert_resumes_to(full, target, fresh, data, out_dir) -> None:
+    """``--resume`` in ``out_dir`` runs to step 6 and ends with the weights of the uninterrupted run ``full``."""
+    resumed = _trainer(target, fresh(), out_dir, max_steps=6, dataset=data, save_every=2, resume=True)
+    assert resumed.train()["steps"] == 6
+    a, b = full.unwrapped_drafter().state_dict(), resumed.unwrapped_drafter().state_dict()
+    for key in a:
+        assert torch.allclose(a[key], b[key], atol=1e-5), key
+
+
 def _killed_run(target, data, fresh, out_dir, kill_at_batch: int):
     """A 6-step run (checkpoints every 2 steps) killed at its ``kill_at_batch``-th micro-batch; returns its drafter."""
     drafter = fresh()
@@ -302,11 +311,7 @@ def test_a_crash_inside_a_checkpoint_save_leaves_the_previous_checkpoint_to_resu
         _trainer(target, fresh(), tmp_path / "run", max_steps=6, dataset=data, save_every=2).train()
     monkeypatch.setattr(checkpoints.torch, "save", original_save)
     assert latest_checkpoint(tmp_path / "run").name == "step-2"
-    resumed = _trainer(target, fresh(), tmp_path / "run", max_steps=6, dataset=data, save_every=2, resume=True)
-    assert resumed.train()["steps"] == 6
-    a, b = full.unwrapped_drafter().state_dict(), resumed.unwrapped_drafter().state_dict()
-    for key in a:
-        assert torch.allclose(a[key], b[key], atol=1e-5), key
+    _assert_resumes_to(full, target, fresh, data, tmp_path / "run")
     assert latest_checkpoint(tmp_path / "run").name == "step-6"
 
 
@@ -325,11 +330,7 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(counting_target, tmp_pat
         handle.truncate(optimizer_file.stat().st_size // 2)
     assert "optimizer.pt cannot be read" in checkpoint_problem(newest)
     assert latest_checkpoint(tmp_path / "run").name == "step-2"
-    resumed = _trainer(target, fresh(), tmp_path / "run", max_steps=6, dataset=data, save_every=2, resume=True)
-    assert resumed.train()["steps"] == 6
-    a, b = full.unwrapped_drafter().state_dict(), resumed.unwrapped_drafter().state_dict()
-    for key in a:
-        assert torch.allclose(a[key], b[key], atol=1e-5), key
+    _assert_resumes_to(full, target, fresh, data, tmp_path / "run")
     assert checkpoint_problem(newest) is None, "the damaged checkpoint is written anew when the run passes its step"
 
     for step in (4, 6):  # every checkpoint damaged: refused before the (missing) target would load
