@@ -5,7 +5,9 @@
    (:func:`hf_retrace.divergence.find_divergence`).
 2. **Host syncs per loop step**: inside the generator's two round methods (``get_candidates``,
    ``update_candidate_strategy``), the tensor-to-host conversions (``item``, ``tolist``, ``bool``, ``int``, ``float``,
-   ``index``) and, on CUDA, the synchronising calls torch's sync debug mode reports there; at T=0, per policy.
+   ``index``) and, on CUDA, the synchronising calls torch's sync debug mode reports there; at T=0, per policy (on a
+   GPU the round reads the host once: the accelerator order of ``ReTraceCandidateGenerator``); and the per-token
+   stop check's (one per round).
 3. **This machine's costs in bf16**: the target's verify forward over k drafts in one-token steps (the verify-cost
    curve) and the drafter's round (:func:`hf_retrace.tuning.costs.measure_costs`), and the round policy a call gets
    here (tuned for this machine unless ``HF_RETRACE_POLICY`` says otherwise).
@@ -53,6 +55,7 @@ from hf_retrace.divergence import find_divergence
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 from hf_retrace.generation.placement import synchronize
 from hf_retrace.generation.policy import shipped_policy
+from hf_retrace.generation.stopping import PerTokenStopping
 from hf_retrace.loading import load_drafter
 from hf_retrace.tuning.costs import measure_costs
 
@@ -181,16 +184,19 @@ def equality(target: Any, views: dict[str, Any], prompts: list[torch.Tensor], ma
     return result
 
 
+ROUND_METHODS = ((ReTraceCandidateGenerator, "get_candidates"), (ReTraceCandidateGenerator, "update_candidate_strategy"))
+
+
 @contextlib.contextmanager
-def counting_host_syncs(cuda: bool) -> Iterator[dict[str, int]]:
-    """Counts, inside ``get_candidates`` and ``update_candidate_strategy`` only, the tensor-to-host conversions (on
-    a GPU each one waits for the device) and, on CUDA, the synchronising calls ``torch.cuda.set_sync_debug_mode``
-    reports there. ``steps``: calls of ``get_candidates`` (the assisted loop's steps)."""
-    counts = {"steps": 0, "conversions": 0, "cuda_syncs": 0}
+def counting_host_syncs(cuda: bool, methods: tuple = ROUND_METHODS) -> Iterator[dict[str, Any]]:
+    """Counts, inside ``methods`` only (``(class, name)`` pairs; by default the round's ``get_candidates`` and
+    ``update_candidate_strategy``), the tensor-to-host conversions (on a GPU each one waits for the device) and, on
+    CUDA, the synchronising calls ``torch.cuda.set_sync_debug_mode`` reports there. ``steps``: calls of the first
+    method (the assisted loop's steps); ``per_step``: the conversions from each such call to the next."""
+    counts: dict[str, Any] = {"steps": 0, "conversions": 0, "cuda_syncs": 0, "per_step": []}
     state = {"in_round": False, "converting": False}
     saved_tensor = {name: torch.Tensor.__dict__.get(name) for name in HOST_CONVERSIONS}
-    saved_rounds = {name: ReTraceCandidateGenerator.__dict__[name]
-                    for name in ("get_candidates", "update_candidate_strategy")}
+    saved_methods = [(owner, name, owner.__dict__[name]) for owner, name in methods]
 
     def conversion(name: str) -> Callable:
         original = getattr(torch.Tensor, name)
@@ -199,6 +205,8 @@ def counting_host_syncs(cuda: bool) -> Iterator[dict[str, int]]:
             if not state["in_round"] or state["converting"]:  # outside the round, or inside another conversion
                 return original(self, *args, **kwargs)
             counts["conversions"] += 1
+            if counts["per_step"]:
+                counts["per_step"][-1] += 1
             state["converting"] = True
             try:
                 return original(self, *args, **kwargs)
@@ -206,11 +214,11 @@ def counting_host_syncs(cuda: bool) -> Iterator[dict[str, int]]:
                 state["converting"] = False
         return counted
 
-    def round_method(name: str) -> Callable:
-        original = saved_rounds[name]
-
+    def round_method(original: Callable, starts_step: bool) -> Callable:
         def counted(self, *args, **kwargs):
-            counts["steps"] += name == "get_candidates"
+            if starts_step:
+                counts["steps"] += 1
+                counts["per_step"].append(0)
             state["in_round"] = True
             previous_mode = torch.cuda.get_sync_debug_mode() if cuda else None
             with warnings.catch_warnings(record=True) as caught:
@@ -229,12 +237,12 @@ def counting_host_syncs(cuda: bool) -> Iterator[dict[str, int]]:
     try:
         for name in HOST_CONVERSIONS:
             setattr(torch.Tensor, name, conversion(name))
-        for name in saved_rounds:
-            setattr(ReTraceCandidateGenerator, name, round_method(name))
+        for i, (owner, name, original) in enumerate(saved_methods):
+            setattr(owner, name, round_method(original, starts_step=i == 0))
         yield counts
     finally:
-        for name, original in saved_rounds.items():
-            setattr(ReTraceCandidateGenerator, name, original)
+        for owner, name, original in saved_methods:
+            setattr(owner, name, original)
         for name, original in saved_tensor.items():
             if original is None:
                 delattr(torch.Tensor, name)
@@ -244,13 +252,17 @@ def counting_host_syncs(cuda: bool) -> Iterator[dict[str, int]]:
 
 def host_syncs(target: Any, views: dict[str, Any], prompt: torch.Tensor, max_new_tokens: int,
                cuda: bool) -> dict[str, Any]:
+    """Per view: the round's conversions per loop step (mean and most), and those of the per-token stop check."""
     result = {}
     for name, view in views.items():
-        with counting_host_syncs(cuda) as counts:
-            greedy(target, prompt, max_new_tokens, view)
+        with counting_host_syncs(cuda, methods=((PerTokenStopping, "__call__"),)) as stop_check:
+            with counting_host_syncs(cuda) as counts:
+                greedy(target, prompt, max_new_tokens, view)
         steps = max(counts["steps"], 1)
         result[name] = {**counts, "rounds": view.last_stats.rounds, "policy": view.last_stats.policy,
                         "conversions_per_step": counts["conversions"] / steps,
+                        "most_in_a_step": max(counts["per_step"], default=0),
+                        "stop_check_per_step": max(stop_check["per_step"], default=0),
                         "cuda_syncs_per_step": counts["cuda_syncs"] / steps if cuda else None}
     return result
 
@@ -351,7 +363,8 @@ def markdown(report: dict[str, Any]) -> str:
     for name, row in report.get("host_syncs", {}).items():
         cuda = "" if row["cuda_syncs_per_step"] is None else f", {row['cuda_syncs_per_step']:.2f} CUDA syncs"
         lines.append(f"- host syncs per loop step, {name} (T=0): {row['conversions_per_step']:.2f} conversions{cuda} "
-                     f"({row['steps']} steps, {row['rounds']} drafting rounds)")
+                     f"(at most {row['most_in_a_step']} in a step; the stop check at most {row['stop_check_per_step']}; "
+                     f"{row['steps']} steps, {row['rounds']} drafting rounds)")
     costs = report.get("costs_bf16")
     if costs:
         shown = (1, 2, 3, 4, 7, 8, 15, 16)

@@ -61,8 +61,9 @@ for index in range(args.start, args.start + args.sequences):
     batch = collate_sequences([data[index]])
     with torch.no_grad():
         first = objective._first_pass(batch)
-        weight, bias = objective._lm_head_weight(first["drafter_hidden"].dtype, first["drafter_hidden"].device)
-        confidence = torch.nn.functional.linear(first["drafter_hidden"], weight, bias).softmax(-1).amax(-1)[0]
+        hidden = first["drafter_hidden"]
+        head = objective._draft_head(hidden.dtype, hidden.device)
+        confidence = objective.drafter.compute_logits(hidden, head).softmax(-1).amax(-1)[0]
     ids, mask, lengths = batch["input_ids"], batch["loss_mask"], batch["attention_mask"].sum(1)
     anchors, valid_anchor = first["anchors"], first["anchor_valid"]
     shifted = {}

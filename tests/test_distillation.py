@@ -86,7 +86,7 @@ def _slot_logits(objective, batch, anchors, anchor_valid):
     embeds, position_ids, mask = objective.block_inputs(batch["input_ids"], anchors, anchor_valid, t)
     hidden = drafter(target_hidden=batch["target_hidden"], noise_embedding=embeds, position_ids=position_ids,
                      attention_mask=mask).reshape(b, anchors.shape[1], objective.block_size, -1)[:, :, 1:]
-    weight, bias = objective._lm_head_weight(hidden.dtype, hidden.device)
+    weight, bias = objective._draft_head(hidden.dtype, hidden.device)
     lengths = batch["attention_mask"].sum(1)
     _, valid = objective.labels(batch["input_ids"], batch["loss_mask"], lengths, anchors, anchor_valid)
     return torch.nn.functional.linear(hidden, weight, bias).log_softmax(-1), valid

@@ -8,6 +8,8 @@ import pytest
 import torch
 from helpers import ProposalPolicy, tiny_drafter, tiny_target
 
+from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
+
 NUM_CASES = 224
 _targets: dict = {}
 
@@ -40,12 +42,15 @@ def _case(index: int) -> dict:
         lookup_min_ngram=rng.choice([1, 2]),
         lookup_num_tokens=rng.choice([1, 4, 12]),
         lookup_start_tokens=rng.choice([1, 2, 3]),  # (above a cap of 1: the first budget is clamped to it)
+        # the accelerator's round order (drafter first, one transfer to the host), forced on the CPU
+        one_transfer=rng.random() < 0.5,
     )
 
 
 @pytest.mark.parametrize("index", range(NUM_CASES))
-def test_greedy_output_equals_plain_greedy(index, use_policy):
+def test_greedy_output_equals_plain_greedy(index, use_policy, monkeypatch):
     case = _case(index)
+    monkeypatch.setattr(ReTraceCandidateGenerator, "one_transfer", case["one_transfer"])
     target = _target(case["family"], case["target_seed"])
     torch.manual_seed(case["seed"])
     prompt = torch.randint(0, target.config.vocab_size - 1, (1, case["prompt_length"]))
@@ -101,3 +106,5 @@ def test_cases_cover_the_required_shapes():
     assert sum(c["draft_vocab_size"] is not None for c in cases) >= 30
     assert sum(c["lookup"] for c in cases) >= 40
     assert sum(c["confidence_threshold"] is not None for c in cases) >= 60
+    assert sum(c["one_transfer"] and c["lookup"] for c in cases) >= 20
+    assert sum(c["one_transfer"] and c["confidence_threshold"] is not None for c in cases) >= 30

@@ -13,11 +13,11 @@ import hf_retrace
 
 PACKAGE = Path(hf_retrace.__file__).parent
 # lowest first; the README's line: cli -> training, bench, demo -> export, loading, side_by_side -> tuning -> generation
-# -> modeling -> retrace -> configuration, stats, defaults -> jsonl, sampling, divergence, chat
+# -> modeling -> retrace, layers -> configuration, stats, defaults -> jsonl, sampling, divergence, chat
 LAYERS = [
     {"jsonl", "sampling", "divergence", "chat"},
     {"configuration", "stats", "defaults"},
-    {"retrace"},
+    {"retrace", "layers"},
     {"modeling"},
     {"generation"},
     {"tuning"},

@@ -131,8 +131,9 @@ def test_an_offloaded_lm_head_or_embedding_is_refused_before_the_target_runs(pro
 def test_draft_vocabulary_scores_are_indexed_on_the_head_device_then_moved_to_the_inputs(target, prompt):
     """The head (and its draft vocabulary) on the CPU, the inputs on another device: every op stays on one device."""
     generator = _generator(target, tiny_drafter(target, draft_vocab_size=40), prompt)
-    assert generator.draft_vocab.device == target.lm_head.weight.device
+    assert generator.draft_head[0].device == target.lm_head.weight.device
     logits = generator._draft_logits(torch.randn(1, 3, target.config.hidden_size))  # on the head's device
+    assert logits.device == target.lm_head.weight.device
     inputs = prompt.to("meta")
     with OneDevicePerOp():
         tokens, scores = generator._propose(inputs, logits)  # argmax proposals, no processors
@@ -147,7 +148,7 @@ def test_draft_vocabulary_scores_are_indexed_on_the_head_device_then_moved_to_th
 def test_a_full_vocabulary_drafter_in_another_dtype_scores_with_the_head_itself(target, prompt):
     drafter = tiny_drafter(target, dtype=torch.float64)  # the target's head is float32
     generator = _generator(target, drafter, prompt)
-    assert generator.draft_head.data_ptr() == target.lm_head.weight.data_ptr()  # no per-call copy of the head
+    assert generator.draft_head[0].data_ptr() == target.lm_head.weight.data_ptr()  # no per-call copy of the head
     logits = generator._draft_logits(torch.randn(1, 3, target.config.hidden_size, dtype=torch.float64))
     assert logits.dtype == torch.float32 and logits.shape == (1, 3, target.config.vocab_size)
     assert torch.equal(_generate(target, prompt, drafter), _generate(target, prompt))

@@ -63,6 +63,8 @@ DRAFT_VOCAB_ARMS = [
     ("sample", "penalized", None, 5),
     ("argmax", "penalized", "random", 1),
 ]
+# the accelerator's round order (drafter first, one transfer to the host; forced on the CPU), hybrid with lookup
+ONE_TRANSFER_ARMS = [("argmax", "warped", "random", 1)]
 SHIFTED_TEMPERATURE = 1.3  # the power check's "slightly wrong" sampler
 
 
@@ -155,9 +157,11 @@ def assisted(target):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ReTraceCandidateGenerator, "_propose", recording_propose)
-        arms = [(*arm, False, None) for arm in ARMS] + [(*arm, True, None) for arm in LOOKUP_ARMS]
-        arms += [(*arm, False, DRAFT_VOCAB) for arm in DRAFT_VOCAB_ARMS] + [(*arm, False, None) for arm in CUTOFF_ARMS]
-        for arm_index, (mode, warp, retrace, drafter_seed, lookup, draft_vocab_size) in enumerate(arms):
+        arms = [(*arm, False, None, False) for arm in ARMS] + [(*arm, True, None, False) for arm in LOOKUP_ARMS]
+        arms += [(*arm, False, DRAFT_VOCAB, False) for arm in DRAFT_VOCAB_ARMS]
+        arms += [(*arm, False, None, False) for arm in CUTOFF_ARMS] + [(*arm, True, None, True) for arm in ONE_TRANSFER_ARMS]
+        for arm_index, (mode, warp, retrace, drafter_seed, lookup, draft_vocab_size, one_transfer) in enumerate(arms):
+            patch.setattr(ReTraceCandidateGenerator, "one_transfer", one_transfer)
             drafter = tiny_drafter(target, block_size=BLOCK_SIZE, seed=drafter_seed, retrace=retrace,
                                    draft_vocab_size=draft_vocab_size)
             drafter.proposal_mode = mode
@@ -181,6 +185,7 @@ def assisted(target):
                 lookup_rounds += stats.lookup_rounds
             key = (mode, warp, "lookup") if lookup else (mode, warp)
             key = (mode, warp, "draft_vocab") if draft_vocab_size else key
+            key = (mode, warp, "one transfer") if one_transfer else key
             results[key] = dict(
                 lookup_rounds=lookup_rounds,
                 tokens=tokens,
@@ -209,10 +214,12 @@ def test_assisted_sampling_follows_the_target_law(mode, warp, assisted, plain):
     assert min(pvalues.values()) > ALPHA, f"{mode}/{warp}: assisted sampling departs from plain sampling: {pvalues}"
 
 
-@pytest.mark.parametrize("mode,warp", [(m, w) for m, w, _, _ in LOOKUP_ARMS])
-def test_hybrid_sampling_follows_the_target_law(mode, warp, assisted, plain_lookup):
-    """Rounds that switch between context lookup and the drafter inside one call keep the target's law."""
-    arm = assisted[(mode, warp, "lookup")]
+@pytest.mark.parametrize("mode,warp,order", [(m, w, "lookup") for m, w, _, _ in LOOKUP_ARMS]
+                         + [(m, w, "one transfer") for m, w, _, _ in ONE_TRANSFER_ARMS])
+def test_hybrid_sampling_follows_the_target_law(mode, warp, order, assisted, plain_lookup):
+    """Rounds that switch between context lookup and the drafter inside one call keep the target's law (in the CPU's
+    round order and in the accelerator's)."""
+    arm = assisted[(mode, warp, order)]
     summary = {k: arm[k] for k in ("rounds", "lookup_rounds", "accepted", "full_blocks")}
     assert 0.1 * arm["rounds"] < arm["lookup_rounds"] < 0.9 * arm["rounds"], f"both sources must draft: {summary}"
     assert arm["accepted"] > 0.1 * N_ASSISTED and arm["full_blocks"] > 0, summary

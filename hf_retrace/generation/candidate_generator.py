@@ -49,7 +49,17 @@ class ReTraceCandidateGenerator(CandidateGenerator):
 
     Built fresh by ``target.generate(..., assistant_model=drafter)`` for every call: all state (the drafter's context
     cache, the rejected suffix, the stats) lives here and dies with the call.
+
+    Two orders of the same round. On the CPU (where reading a tensor costs nothing) context lookup is tried first and
+    the drafter runs only when it finds no match, its head chunk by chunk up to the first unconfident slot (compute is
+    what costs there). On an accelerator every read waits for the device, so the drafter's whole block is launched
+    first and the host reads, in one transfer, the tokens committed since the last round (for the lookup index), the
+    drafter's proposals and their confidences; the round then uses the lookup's copy or the drafter's block. The
+    verdict is read from the sequence's length, with no transfer: one host sync per round at T=0 (the draft length
+    must reach the host to build the candidates). Proposals are the same in both orders.
     """
+
+    one_transfer: bool | None = None  # the accelerator order; None: chosen by the drafter's device (tests force it)
 
     def __init__(
         self,
@@ -67,8 +77,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         # sliced once per call, not per round; kept in the head's dtype (rows are cast): a full head is never copied
-        self.draft_head = drafter.draft_head_weight(self.lm_head)
-        self.draft_vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.to(self.draft_head.device)
+        self.draft_head = drafter.draft_head(self.lm_head)
         self.vocab_size = self.lm_head.weight.shape[0]
         self.block_size = drafter.config.block_size
         self.max_length = generation_config.max_length
@@ -80,12 +89,16 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.logits_processor = LogitsProcessorList(processors)
         eos = generation_config.eos_token_id
         self.eos_token_ids = torch.tensor([] if eos is None else ([eos] if isinstance(eos, int) else list(eos)))
+        self.eos_ids = frozenset(self.eos_token_ids.tolist())  # the rule that cuts drafts runs on the host
         self.max_drafts = self.block_size - 1
 
         self.tap = TargetTap(target, drafter.config.target_layer_ids, bool(generation_config.output_hidden_states))
         self.requires_model_outputs = self.tap.uses_model_outputs
         self.model_kwargs_overrides = self.tap.model_kwargs_overrides
         self.use_retrace = drafter.retrace is not None and policy.retrace
+        one_transfer = self.one_transfer if self.one_transfer is not None else drafter.device.type != "cpu"
+        # argmax proposals with no processor to run per slot: everything the host needs fits in one transfer
+        self.one_transfer = one_transfer and len(self.logits_processor) == 0 and not self.sampled_proposals
         self.cache = DynamicCache()
         self.context_length = 0  # positions whose target states the generator has read (cached or pending)
         self.cache_length = 0  # positions whose context K/V the drafter cache holds
@@ -128,13 +141,48 @@ class ReTraceCandidateGenerator(CandidateGenerator):
             self._hold_context(fresh)
             self.stats.guard_plain_steps += 1
             return input_ids, None
+        lookup_budget = min(self.lookup_budget, self.max_length - cur_len - 1)
+        if self.one_transfer:
+            return self._one_transfer_round(input_ids, fresh, aligned, anchor_position, num_drafts, lookup_budget,
+                                            started)
         if self.lookup is not None:
-            budget = min(self.lookup_budget, self.max_length - cur_len - 1)
-            candidates = self._lookup_round(input_ids, fresh, anchor_position, budget, started)
+            self.lookup.extend(input_ids[0, len(self.lookup) :].tolist())
+            candidates = self._lookup_round(input_ids, anchor_position, lookup_budget, started, hold=fresh)
             if candidates is not None:
                 return candidates, None
 
-        # one non-causal drafter forward over [anchor, MASK x (B-1)], reading the context not yet in its cache
+        hidden = self._drafter_forward(input_ids, fresh, aligned, anchor_position)
+        draft_logits = self._confident_logits(hidden[:, 1 : num_drafts + 1])
+        drafter_hidden = hidden[:, 1 : draft_logits.shape[1] + 1]
+        draft_tokens, draft_logits = self._propose(input_ids, draft_logits)
+        k = self._eos_cut(draft_tokens[0].tolist())
+        return self._drafter_round(input_ids, draft_tokens[:, :k], drafter_hidden, draft_logits, aligned,
+                                   anchor_position, started)
+
+    def _one_transfer_round(self, input_ids, fresh, aligned, anchor_position: int, num_drafts: int,
+                            lookup_budget: int, started: float):
+        """The accelerator order (see the class): the drafter's block first, then one transfer of what the host needs."""
+        hidden = self._drafter_forward(input_ids, fresh, aligned, anchor_position)[:, 1 : num_drafts + 1]
+        draft_tokens, draft_logits = self._propose(input_ids, self._draft_logits(hidden))
+        tops = draft_logits[0].softmax(-1).amax(-1).to(input_ids.device)
+        new = input_ids[0, len(self.lookup) :] if self.lookup is not None else input_ids[0, :0]
+        host = torch.cat([new.double(), draft_tokens[0].double(), tops.double()]).tolist()  # the round's one transfer
+        n, d = new.shape[0], draft_tokens.shape[1]
+        if self.lookup is not None:
+            self.lookup.extend(host[:n])
+            candidates = self._lookup_round(input_ids, anchor_position, lookup_budget, started, hold=None)
+            if candidates is not None:
+                return candidates, None
+        keep = d
+        if self.policy.confidence_cut is not None and d > 1:
+            keep = self.policy.cut(host[n + d :])
+            self.stats.slot_confidences.append(host[n + d : n + d + keep])
+        k = self._eos_cut(host[n : n + keep])
+        return self._drafter_round(input_ids, draft_tokens[:, :k], hidden, None, aligned, anchor_position, started)
+
+    def _drafter_forward(self, input_ids, fresh, aligned, anchor_position: int) -> torch.Tensor:
+        """One non-causal drafter forward over ``[anchor, MASK x (B-1)]``, reading the context not yet in its cache;
+        ``[1, B, H]`` hidden states (slot 0 is the anchor)."""
         if self.pending_context is not None:
             fresh, self.pending_context = torch.cat([self.pending_context, fresh], dim=1), None
         block = self.drafter.block_embeddings(input_ids[:, -1].to(self.drafter.device), self.embed_tokens, aligned,
@@ -149,29 +197,30 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         )
         self.cache.crop(-self.block_size)  # keep the context K/V, drop the block's (negative: 4.57 and 5.x)
         self.cache_length = anchor_position
+        return hidden
 
-        draft_logits = self._confident_logits(hidden[:, 1 : num_drafts + 1])
-        num_drafts = draft_logits.shape[1]
-        drafter_hidden = hidden[:, 1 : num_drafts + 1]
-        draft_tokens, draft_logits = self._propose(input_ids, draft_logits)
-        draft_tokens = self._cut_after_eos(draft_tokens)
+    def _drafter_round(self, input_ids, draft_tokens, drafter_hidden, draft_logits, aligned, anchor_position: int,
+                       started: float):
+        """Candidates from the drafter's ``draft_tokens`` ([1, k]); the target steps alone when k is 0 (the
+        processors allow no token of the draft vocabulary at slot 1)."""
         k = draft_tokens.shape[1]
-        if k == 0:  # the processors allow no token of the draft vocabulary at slot 1: the target steps alone
-            self.stats.draft_seconds += time.perf_counter() - started
+        self.stats.draft_seconds += time.perf_counter() - started
+        if k == 0:
             return input_ids, None
         self.draft_round = DraftRound(anchor_position, draft_tokens[0], drafter_hidden[0, :k], aligned is not None)
-        self.stats.draft_seconds += time.perf_counter() - started
         self._verify_started = time.perf_counter()
         candidates = torch.cat([input_ids, draft_tokens], dim=-1)
         return candidates, (draft_logits[:, :k] if self.sampled_proposals else None)
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, num_matches: Any):
         """Read the verdict: record the round, and keep what the target rejected beyond its correction."""
-        draft, accepted = self.draft_round, int(num_matches)
+        draft = self.draft_round
         self.draft_round, self.rejected_suffix = None, None
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
         if draft is None:
             return
+        # the loop commits the accepted drafts and one token of the target's: read without a transfer (== num_matches)
+        accepted = input_ids.shape[1] - draft.anchor_position - 2
         try:
             self._read_verdict(draft, accepted, input_ids, scores)
         finally:  # the verify clock runs until the verdict is read, as for transformers' own generators
@@ -207,21 +256,26 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         )
 
     # --- pieces of the round -------------------------------------------------------------------------------------
-    def _lookup_round(self, input_ids, fresh, anchor_position: int, num_drafts: int, started: float):
-        """Propose what followed the newest tokens earlier in the context; None when no n-gram matches.
+    def _lookup_round(self, input_ids, anchor_position: int, num_drafts: int, started: float,
+                      hold: torch.Tensor | None):
+        """Propose what followed the newest tokens earlier in the context (the index is up to date); None when no
+        n-gram matches.
 
-        The drafter forward is skipped: the new context rows wait in ``pending_context`` for the next drafter round,
-        and no rejected suffix is kept (ReTrace conditions on the drafter's own trajectories only).
+        The copy is sliced from ``input_ids`` on its device (no transfer). ``hold``: the new context rows to keep for
+        the next drafter round, when this round runs no drafter forward (None: the drafter has read them already).
+        No rejected suffix is kept (ReTrace conditions on the drafter's own trajectories only).
         """
-        self.lookup.extend(input_ids[0, len(self.lookup) :].tolist())
-        matched, continuation = self.lookup.propose(num_drafts, self.policy.lookup_min_ngram)
+        matched, start = self.lookup.match(self.policy.lookup_min_ngram)
         if not matched:
             return None
-        draft_tokens = self._cut_after_eos(torch.tensor([continuation], dtype=input_ids.dtype, device=input_ids.device))
-        draft_tokens = self._allowed_copy(input_ids, draft_tokens)
+        k = self._eos_cut(self.lookup.continuation(start, num_drafts))
+        source = input_ids[:, start:]
+        draft_tokens = self._allowed_copy(input_ids, source.repeat(1, -(-k // source.shape[1]))[:, :k])
         if draft_tokens.shape[1] == 0:
             return None
-        self._hold_context(fresh)
+        if hold is not None:
+            self._hold_context(hold)
+        self.rejected_suffix = None
         self.draft_round = DraftRound(anchor_position, draft_tokens[0], None, False)
         self.stats.draft_seconds += time.perf_counter() - started
         self._verify_started = time.perf_counter()
@@ -282,17 +336,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
 
     def _draft_logits(self, drafter_hidden: torch.Tensor) -> torch.Tensor:
         """``[1, k, Vd]`` scores over the draft vocabulary (the whole vocabulary when the drafter has none)."""
-        head = self.draft_head
-        # a 2-D input: a 3-D slice would take matmul's batched path, which copies the whole head every round
-        rows = drafter_hidden.reshape(-1, drafter_hidden.shape[-1]).to(head.device, head.dtype)
-        return torch.nn.functional.linear(rows, head).float().view(*drafter_hidden.shape[:-1], head.shape[0])
-
-    def _full_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Scores over the target's vocabulary; tokens outside the draft vocabulary get -inf (never proposed)."""
-        if self.draft_vocab is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab, logits)
+        return self.drafter.compute_logits(drafter_hidden, self.draft_head)
 
     def _propose(self, input_ids: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Argmax (default) or sampled proposals from the processed draft logits, one slot after another.
@@ -300,10 +344,9 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         The block ends before a slot where the processors leave no token of the draft vocabulary (see ``_process``).
         """
         if len(self.logits_processor) == 0 and not self.sampled_proposals:
-            best = logits.argmax(-1)  # on the head's device, as the draft vocabulary
-            best = best if self.draft_vocab is None else self.draft_vocab[best]
+            best = self.drafter.draft_token_ids(logits.argmax(-1))  # on the head's device
             return best.to(input_ids.device), logits.to(input_ids.device)
-        logits = self._full_vocab(logits).to(input_ids.device)
+        logits = self.drafter.full_vocab_logits(logits, self.vocab_size).to(input_ids.device)
         ids = input_ids
         for i in range(logits.shape[1]):
             processed = self._process(ids, logits[:, i])
@@ -339,12 +382,13 @@ class ReTraceCandidateGenerator(CandidateGenerator):
             return torch.cat([input_ids, input_ids[:, -1:]], dim=-1)
         return input_ids
 
-    def _cut_after_eos(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """Drafts past an end-of-sequence token can never be committed: stop the block there."""
-        if self.eos_token_ids.numel() == 0:
-            return draft_tokens
-        is_eos = torch.isin(draft_tokens[0], self.eos_token_ids.to(draft_tokens.device)).nonzero()
-        return draft_tokens[:, : int(is_eos[0]) + 1] if is_eos.numel() else draft_tokens
+    def _eos_cut(self, tokens: Sequence[float]) -> int:
+        """How many of the drafted ``tokens`` (host values) to propose: drafts past an end-of-sequence token can
+        never be committed, so the block stops at the first one."""
+        for i, token in enumerate(tokens):
+            if int(token) in self.eos_ids:
+                return i + 1
+        return len(tokens)
 
     def _score_kept_tokens(self, input_ids: torch.Tensor) -> None:
         committed = input_ids.shape[1]

@@ -44,15 +44,21 @@ class ContextLookup:
         The continuation is what followed the match, up to ``num_tokens`` tokens; when it runs into the present (a
         loop shorter than ``num_tokens``), it keeps repeating the loop.
         """
+        matched, start = self.match(min_ngram)
+        return (matched, self.continuation(start, num_tokens)) if matched else (0, [])
+
+    def match(self, min_ngram: int = 1) -> tuple[int, int]:
+        """``(match length, start)``: the longest suffix n-gram (``>= min_ngram``) seen earlier, and the position of
+        the token that followed its latest occurrence; ``(0, -1)`` when none matches. The continuation is the tokens
+        from ``start`` to the present, repeated (a caller holding the sequence as a tensor slices it from there)."""
         length = len(self.tokens)
         for n in range(min(self.max_ngram, length), max(min_ngram, 1) - 1, -1):
             end = self._index.get(tuple(self.tokens[length - n :]))
-            if end is None:
-                continue
-            continuation: list[int] = []
-            for i in range(num_tokens):
-                j = end + 1 + i
-                continuation.append(self.tokens[j] if j < length else continuation[j - length])
-            return n, continuation
-        return 0, []
+            if end is not None:
+                return n, end + 1
+        return 0, -1
 
+    def continuation(self, start: int, num_tokens: int) -> list[int]:
+        """``num_tokens`` tokens from ``start`` on, the span ``start .. present`` repeated where it runs out."""
+        span = self.tokens[start:]
+        return [span[i % len(span)] for i in range(num_tokens)]

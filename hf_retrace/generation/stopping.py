@@ -95,15 +95,25 @@ class PerTokenStopping(StoppingCriteriaList):
             return super().__call__(input_ids, scores, **kwargs)  # nothing committed to check: as the loop had it
         start = self.checked
         if self.stop_at is None:
-            for end in range(start + 1, length + 1):  # every token the round committed, each criterion once
-                if self._met(self._per_token, input_ids[:, :end], self._scores_up_to(scores, end), kwargs):
-                    self.stop_at = end
-                    break
+            self.stop_at = self._first_stop(input_ids, scores, kwargs, start)
         self.checked = length
         if self.streamer is not None:
             self.streamer.release(None if self.stop_at is None else self.stop_at - start)
         done = self.stop_at is not None or self._met(self._timed, input_ids, scores, kwargs)
         return torch.full((input_ids.shape[0],), done, dtype=torch.bool, device=input_ids.device)
+
+    def _first_stop(self, input_ids: torch.LongTensor, scores: Any, kwargs: dict, start: int) -> int | None:
+        """The first sequence length after ``start`` at which a criterion is met (None: none is), read with one
+        transfer to the host: every criterion is called on every prefix the round committed, in order, with what plain
+        decoding would pass it there (in the round where a stop falls, also on the prefixes after it; those results
+        are not used)."""
+        ends = range(start + 1, input_ids.shape[1] + 1)
+        if not self._per_token or not ends:
+            return None
+        met = [torch.as_tensor(c(input_ids[:, :end], self._scores_up_to(scores, end), **kwargs)).to(input_ids.device)
+               .reshape(-1).any() for end in ends for c in self._per_token]
+        hits = torch.stack(met).view(len(ends), len(self._per_token)).any(-1).tolist()  # the round's one transfer
+        return next((end for end, hit in zip(ends, hits) if hit), None)
 
     def _scores_up_to(self, scores: Any, end: int) -> Any:
         """What plain decoding passes its criteria after the token at ``end - 1``: the scores of the tokens generated up

@@ -23,7 +23,6 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
@@ -153,36 +152,29 @@ class DFlashObjective(nn.Module):
             for p in module.parameters():
                 p.requires_grad_(False)
         self.frozen = _Frozen(input_embeddings=input_embeddings, lm_head=lm_head)
-        self._lm_head_cache: dict[tuple, torch.Tensor] = {}
+        self._head_cache: dict[tuple, tuple] = {}
 
     @property
     def block_size(self) -> int:
         return self.drafter.config.block_size
 
-    def _lm_head_weight(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The frozen ``lm_head`` rows the drafter scores (its draft vocabulary, or all), cached in ``dtype``."""
-        head = self.frozen.lm_head
-        weight, bias = head.weight, getattr(head, "bias", None)
-        vocab = self.drafter.draft_vocab
-        if vocab is not None and bias is not None:
-            bias = bias[vocab.to(bias.device)]
-        if vocab is None and weight.dtype == dtype and weight.device == device:
+    def _draft_head(self, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The frozen head's rows the drafter scores (:meth:`~hf_retrace.modeling.ReTraceDrafter.draft_head`),
+        detached and cached in the rows' ``dtype`` and ``device`` (training scores in the drafter's precision)."""
+        weight, bias = self.frozen.lm_head.weight, getattr(self.frozen.lm_head, "bias", None)
+        if self.drafter.draft_vocab is None and weight.dtype == dtype and weight.device == device:
             return weight, bias
+        vocab = self.drafter.draft_vocab
         key = (dtype, device, weight.data_ptr(), None if vocab is None else vocab.numel())
-        if key not in self._lm_head_cache:
-            self._lm_head_cache.clear()
-            self._lm_head_cache[key] = self.drafter.draft_head_weight(head).detach().to(device=device, dtype=dtype)
-        return self._lm_head_cache[key], None if bias is None else bias.detach().to(device=device, dtype=dtype)
+        if key not in self._head_cache:
+            self._head_cache.clear()
+            self._head_cache[key] = tuple(None if t is None else t.detach().to(device=device, dtype=dtype)
+                                          for t in self.drafter.draft_head(self.frozen.lm_head))
+        return self._head_cache[key]
 
     def draft_index(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(index into the scored rows, in_vocab)`` for target token ids (identity without a draft vocabulary)."""
-        vocab = self.drafter.draft_vocab
-        if vocab is None:
-            return token_ids, torch.ones_like(token_ids, dtype=torch.bool)
-        lookup = torch.full((self.frozen.lm_head.weight.shape[0],), -1, dtype=torch.long, device=token_ids.device)
-        lookup[vocab.to(token_ids.device)] = torch.arange(vocab.numel(), device=token_ids.device)
-        index = lookup[token_ids]
-        return index.clamp_min(0), index >= 0
+        return self.drafter.draft_index(token_ids, self.frozen.lm_head.weight.shape[0])
 
     def block_inputs(
         self,
@@ -217,11 +209,9 @@ class DFlashObjective(nn.Module):
         probabilities."""
         drafter = self.drafter
         hidden = self.block_hidden(input_ids, features, anchors, anchor_valid)
-        weight, bias = self._lm_head_weight(hidden.dtype, hidden.device)
-        top_probs, drafts = F.linear(hidden, weight, bias).float().softmax(-1).max(-1)  # indices into scored rows
-        if drafter.draft_vocab is not None:
-            drafts = drafter.draft_vocab[drafts]
-        return drafts, hidden, top_probs
+        head = self._draft_head(hidden.dtype, hidden.device)
+        top_probs, drafts = drafter.compute_logits(hidden, head).softmax(-1).max(-1)  # indices into scored rows
+        return drafter.draft_token_ids(drafts), hidden, top_probs
 
     def labels(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, lengths: torch.Tensor,
@@ -305,8 +295,8 @@ class DFlashObjective(nn.Module):
         """``(loss, its denominator, logits)`` over the supervised slots ``rows`` (``valid``'s, at ``slot_index``):
         the cross-entropy (mixed with the top-k distillation when ``distill_weight``), decayed by slot and normalised
         by the sum of the slots' weights."""
-        weight, bias = self._lm_head_weight(rows.dtype, rows.device)
-        logits = F.linear(rows, weight, bias).float()
+        weight, bias = self._draft_head(rows.dtype, rows.device)
+        logits = self.drafter.compute_logits(rows, (weight, bias))
         lse = torch.logsumexp(logits, dim=-1)
         ce = label_cross_entropy(lse, rows, weight, bias, labels)
         if self.distill_weight:

@@ -163,7 +163,7 @@ def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_l
     generator = torch.Generator().manual_seed(0)
     context = torch.randn(1, context_length + 1, features, generator=generator).to(device, drafter.dtype)
     embed = target.get_input_embeddings()
-    head = drafter.draft_head_weight(target.get_output_embeddings())  # scored in its own dtype, as in a round
+    head = drafter.draft_head(target.get_output_embeddings())  # scored in its own dtype, as in a round
     cache = DynamicCache()
     block = drafter.block_embeddings(torch.zeros(1, dtype=torch.long, device=device), embed)
     drafter(target_hidden=context[:, :context_length], noise_embedding=block,
@@ -176,7 +176,7 @@ def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_l
         hidden = drafter(target_hidden=context[:, context_length:], noise_embedding=block, position_ids=positions,
                          past_key_values=cache, use_cache=True)
         cache.crop(-(block_size + 1))
-        torch.nn.functional.linear(hidden[0, 1 : rows + 1].to(head.device, head.dtype), head).float().softmax(-1).amax(-1)
+        drafter.compute_logits(hidden[0, 1 : rows + 1], head).softmax(-1).amax(-1)
 
     chunk = min(2, block_size - 1)
     times = {chunk: [], block_size - 1: []}
