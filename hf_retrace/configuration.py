@@ -11,6 +11,8 @@ from typing import Any
 from transformers import PretrainedConfig
 
 RETRACE_ABLATIONS = ("full", "no_correction", "no_gate", "tokens_only")
+# what a drafter holds: no ReTrace module, one with a zero output projection (drafts exactly as the backbone), a trained one
+RETRACE_STATES = ("absent", "untrained", "trained")
 PROPOSAL_MODES = ("argmax", "sample")  # under sampling: sample-and-match argmax drafts, or sampled drafts + rejection
 
 
@@ -55,6 +57,14 @@ def drafter_target_mismatches(drafter_config: Any, target_config: Any) -> list[s
 MAX_DRAFTER_PARAMETERS = 20_000_000_000  # refuse absurd configs before a single weight is allocated
 
 
+def _retrace_state(retrace: str | bool, trained: bool = False) -> str:
+    """The ReTrace state from a config's ``retrace`` (a state, or the bool of configs saved before, with their
+    ``retrace_trained``)."""
+    if isinstance(retrace, bool):
+        return ("trained" if trained else "untrained") if retrace else "absent"
+    return retrace
+
+
 class ReTraceConfig(PretrainedConfig):
     r"""Configuration of a :class:`~hf_retrace.ReTraceDrafter`.
 
@@ -67,11 +77,12 @@ class ReTraceConfig(PretrainedConfig):
     training responses): the target's ``lm_head`` rows for them are all the drafter scores, which makes a drafting
     round cheaper on small targets. Tokens outside it are never drafted; the target still produces them.
 
-    ReTrace fields: ``retrace`` (the module exists) and ``retrace_trained`` (its weights were trained) are stored;
-    read them as one state, :attr:`retrace_state` (absent / untrained / trained). ``use_retrace`` is the default
-    run-time switch (``None``: on exactly when trained) and ``retrace_ablation`` the variant (one of
-    ``RETRACE_ABLATIONS``); a ``generate`` call reads both once when it starts, so changing them never affects a
-    call in flight.
+    ReTrace: ``retrace`` says what the drafter holds, one of ``RETRACE_STATES``: ``"absent"`` (no module: a plain DFlash
+    drafter), ``"untrained"`` (a module with a zero output projection, which drafts exactly as the backbone) or
+    ``"trained"``; ``retrace_ablation`` is the variant the module was trained as (one of ``RETRACE_ABLATIONS``).
+    Whether a call fuses the rejected suffix is the call's round policy (``RoundPolicy.retrace``; the shipped policy
+    turns it on exactly for a trained module; ``drafter.with_policy(retrace=True)`` for one call). Configs saved
+    before (``retrace`` a bool, ``retrace_trained``, ``use_retrace``) load as the same state.
 
     Round shape (ours): ``draft_confidence_threshold`` cuts a block before the first slot after slot 1 whose top draft
     probability falls below it (``None``: full blocks; the shipped drafter carries a value calibrated on training
@@ -113,9 +124,7 @@ class ReTraceConfig(PretrainedConfig):
         learned_mask_embedding: bool = False,
         input_embedding_scale: float = 1.0,
         draft_vocab_size: int | None = None,
-        retrace: bool = True,
-        retrace_trained: bool = False,
-        use_retrace: bool | None = None,
+        retrace: str | bool = "untrained",
         retrace_hidden_size: int | None = None,
         retrace_ablation: str = "full",
         draft_confidence_threshold: float | None = None,
@@ -129,8 +138,10 @@ class ReTraceConfig(PretrainedConfig):
     ):
         # z-lab layouts: the DFlash fields may sit in a nested `dflash_config`
         dflash = kwargs.pop("dflash_config", None) or {}
+        retrace = _retrace_state(retrace, kwargs.pop("retrace_trained", False))
+        kwargs.pop("use_retrace", None)  # an older run-time switch: the round policy decides now
         if kwargs.pop("model_type", self.model_type) != self.model_type:
-            retrace = False  # a published DFlash checkpoint (model_type qwen3): no ReTrace module until added
+            retrace = "absent"  # a published DFlash checkpoint (model_type qwen3): no ReTrace module until added
         block_size = dflash.get("block_size", block_size)
         mask_token_id = dflash.get("mask_token_id", mask_token_id)
         target_layer_ids = dflash.get("target_layer_ids", target_layer_ids)
@@ -170,9 +181,7 @@ class ReTraceConfig(PretrainedConfig):
         self.learned_mask_embedding = learned_mask_embedding
         self.input_embedding_scale = float(input_embedding_scale)
         self.draft_vocab_size = draft_vocab_size
-        self.retrace = bool(retrace)
-        self.retrace_trained = bool(retrace_trained)
-        self.use_retrace = use_retrace
+        self.retrace = retrace
         self.retrace_hidden_size = retrace_hidden_size or hidden_size
         self.retrace_ablation = retrace_ablation
         self.draft_confidence_threshold = draft_confidence_threshold
@@ -201,6 +210,8 @@ class ReTraceConfig(PretrainedConfig):
             )
         if self.proposal_mode not in PROPOSAL_MODES:
             raise ValueError(f"proposal_mode must be one of {PROPOSAL_MODES}, got {self.proposal_mode!r}.")
+        if self.retrace not in RETRACE_STATES:
+            raise ValueError(f"retrace must be one of {RETRACE_STATES} (what the drafter holds), got {self.retrace!r}.")
         if self.retrace_ablation not in RETRACE_ABLATIONS:
             raise ValueError(f"retrace_ablation must be one of {RETRACE_ABLATIONS}, got {self.retrace_ablation!r}.")
         dims = {"hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -239,18 +250,3 @@ class ReTraceConfig(PretrainedConfig):
             raise ValueError(
                 f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}."
             )
-
-    @property
-    def retrace_state(self) -> str:
-        """The ReTrace module's one state: ``"absent"`` (none in this drafter), ``"untrained"`` (zero output
-        projection: it drafts exactly what the backbone drafts) or ``"trained"``."""
-        if not self.retrace:
-            return "absent"
-        return "trained" if self.retrace_trained else "untrained"
-
-    @property
-    def retrace_enabled(self) -> bool:
-        """Whether rounds fuse the rejected suffix: the module must exist; by default only when it was trained."""
-        if not self.retrace:
-            return False
-        return self.retrace_trained if self.use_retrace is None else bool(self.use_retrace)

@@ -59,7 +59,7 @@ class ReTraceDrafter(PreTrainedModel):
             self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size, dtype=torch.long))
         else:
             self.draft_vocab = None
-        self.retrace = ReTraceFusion(config) if config.retrace else None
+        self.retrace = None if config.retrace == "absent" else ReTraceFusion(config)
         self.post_init()
 
     @classmethod
@@ -126,7 +126,7 @@ class ReTraceDrafter(PreTrainedModel):
     def add_retrace(self) -> ReTraceFusion:
         """Give a plain DFlash drafter an (untrained, zero-output) ReTrace module, e.g. before ReTrace training."""
         if self.retrace is None:
-            self.config.retrace = True
+            self.config.retrace = "untrained"
             self.retrace = ReTraceFusion(self.config).to(device=self.device, dtype=self.dtype)
             self.retrace.apply(self._init_weights)
         return self.retrace

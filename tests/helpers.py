@@ -101,8 +101,9 @@ def tiny_drafter(
 ) -> ReTraceDrafter:
     """A random drafter for ``target``.
 
-    ``retrace``: None (plain DFlash), "untrained" (ReTrace on, zero output projection), "random" (ReTrace on with a
-    non-zero output projection, so the fused suffix really changes the drafts).
+    ``retrace``: None (plain DFlash), "untrained" (ReTrace on, zero output projection: a view with ``retrace=True`` in
+    its round policy, since the shipped policy leaves an untrained module off), "random" (a "trained" module, on in the
+    shipped policy, with a non-zero output projection, so the fused suffix really changes the drafts).
     """
     tcfg = target.config
     num_target_layers = tcfg.num_hidden_layers
@@ -119,9 +120,7 @@ def tiny_drafter(
         learned_mask_embedding=learned_mask_embedding,
         target_layer_ids=target_layer_ids or [0, num_target_layers - 2],
         num_target_layers=num_target_layers,
-        retrace=retrace is not None,
-        retrace_trained=retrace == "random",
-        use_retrace=True if retrace is not None else None,
+        retrace={None: "absent", "untrained": "untrained", "random": "trained"}[retrace],
     )
     torch.manual_seed(seed)
     drafter = ReTraceDrafter(config).eval()
@@ -130,7 +129,8 @@ def tiny_drafter(
             drafter.retrace.output_projection.weight.normal_(0, 0.5)
     if draft_vocab_size:
         drafter.set_draft_vocab(torch.randperm(tcfg.vocab_size)[:draft_vocab_size])
-    return drafter.to(dtype or target.dtype)
+    drafter = drafter.to(dtype or target.dtype)
+    return drafter.with_policy(retrace=True) if retrace == "untrained" else drafter
 
 
 class StopAtToken(StoppingCriteria):

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from transformers import AutoModel, DynamicCache
 
 from hf_retrace import ReTraceConfig, ReTraceDrafter
+from hf_retrace.generation.policy import shipped_policy
 
 H, HEADS, KV_HEADS, HEAD_DIM, FFN, LAYERS, VOCAB = 64, 4, 2, 16, 128, 2, 96
 
@@ -127,7 +128,7 @@ def test_zlab_checkpoint_loads_and_forward_matches_plain_implementation(tmp_path
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     assert drafter.config.block_size == 4 and drafter.config.mask_token_id == VOCAB - 1
     assert drafter.config.target_layer_ids == [0, 2]
-    assert drafter.retrace is None and not drafter.config.retrace_enabled  # a plain DFlash checkpoint: ReTrace off
+    assert drafter.retrace is None and drafter.config.retrace == "absent"  # a plain DFlash checkpoint: no ReTrace
     drafter = drafter.double().eval()
     w = {k: v.double() for k, v in weights.items()}
     gen = torch.Generator().manual_seed(1)
@@ -201,7 +202,7 @@ def test_save_pretrained_round_trip_and_auto_model(tmp_path):
     assert any(k.startswith("retrace.") for k in keys)
     loaded = AutoModel.from_pretrained(tmp_path / "ours")
     assert isinstance(loaded, ReTraceDrafter)
-    assert loaded.config.retrace_enabled
+    assert loaded.config.retrace == "trained" and shipped_policy(loaded.config).retrace
     for (name, a), (_, b) in zip(drafter.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a.to(b.dtype), b), name
 
@@ -233,7 +234,7 @@ def test_export_of_a_stopped_run_keeps_its_weights_and_the_module_state(tmp_path
 
     target = tiny_target(dtype=torch.float32)
     drafter = tiny_drafter(target, retrace="random", dtype=torch.float32)
-    drafter.config.retrace_trained = False
+    drafter.config.retrace = "untrained"
     run, step = tmp_path / "run", tmp_path / "run" / "checkpoints" / "step-3"
     step.mkdir(parents=True)
     (run / DRAFTER_INIT).write_text(json.dumps({"init": "test", "config": json.loads(drafter.config.to_json_string())}))
@@ -243,6 +244,6 @@ def test_export_of_a_stopped_run_keeps_its_weights_and_the_module_state(tmp_path
     (step / "trainer_state.json").write_text(json.dumps({"step": 3}))
     out = export_checkpoint(run, tmp_path / "export", dtype="float32")
     loaded = ReTraceDrafter.from_pretrained(out)
-    assert loaded.config.retrace_state == ("trained" if trained else "untrained")
+    assert loaded.config.retrace == ("trained" if trained else "untrained")
     for name, tensor in drafter.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name

@@ -7,6 +7,7 @@ import torch
 
 from hf_retrace import defaults
 from hf_retrace.generation.dispatch import check_target
+from hf_retrace.generation.policy import shipped_policy
 from hf_retrace.side_by_side import chat_input_ids
 
 pytestmark = pytest.mark.slow
@@ -37,7 +38,7 @@ def test_default_drafter_fits_the_default_target(pair):
     threshold = config.draft_confidence_threshold
     assert threshold is None or 0.0 <= threshold < 1.0, "the adaptive block ships calibrated or off"
     # ReTrace ships on only with trained weights (issue: ReTrace must beat its backbone before it is on by default)
-    assert config.retrace_enabled == (config.retrace and config.retrace_trained)
+    assert shipped_policy(config).retrace == (config.retrace == "trained")
 
 
 @pytest.mark.parametrize("lookup", [False, True])

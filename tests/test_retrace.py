@@ -7,6 +7,7 @@ import torch
 from helpers import ProposalPolicy, tiny_drafter, tiny_target
 
 from hf_retrace import RejectedSuffix
+from hf_retrace.generation.policy import shipped_policy
 from hf_retrace.retrace import PendingSuffix
 from hf_retrace.training.retrace_stage import ReTraceObjective
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
@@ -39,8 +40,7 @@ def test_untrained_retrace_drafts_exactly_what_its_backbone_drafts(monkeypatch):
     _run(target, drafter, prompt)
     with_retrace, fused = list(drafts), drafter.last_stats.rounds_with_fused_suffix
     drafts.clear()
-    drafter.config.use_retrace = False
-    _run(target, drafter, prompt)
+    _run(target, drafter.with_policy(retrace=False), prompt)
     assert fused > 0, "the ReTrace path never ran: nothing was fused"
     assert with_retrace == drafts
 
@@ -53,8 +53,7 @@ def test_trained_retrace_changes_the_drafts_but_not_the_output(monkeypatch):
     out_on = _run(target, drafter, prompt)
     on = list(drafts)
     drafts.clear()
-    drafter.config.use_retrace = False
-    out_off = _run(target, drafter, prompt)
+    out_off = _run(target, drafter.with_policy(retrace=False), prompt)
     assert on != drafts, "a non-zero ReTrace module must change some drafts"
     assert torch.equal(out_on, out_off)
 
@@ -156,12 +155,13 @@ def test_ablations_change_the_fusion_as_documented():
 def test_plain_dflash_drafter_can_gain_a_retrace_module():
     target = tiny_target(seed=9)
     drafter = tiny_drafter(target, retrace=None)
-    assert drafter.retrace is None and not drafter.config.retrace_enabled
+    assert drafter.retrace is None and drafter.config.retrace == "absent"
+    assert not shipped_policy(drafter.config).retrace
     module = drafter.add_retrace()
     assert torch.count_nonzero(module.output_projection.weight) == 0
-    assert not drafter.config.retrace_enabled, "untrained: off by default"
-    drafter.config.use_retrace = True
-    assert drafter.config.retrace_enabled
+    assert drafter.config.retrace == "untrained" and not shipped_policy(drafter.config).retrace, "off by default"
+    drafter.config.retrace = "trained"
+    assert shipped_policy(drafter.config).retrace
 
 
 def test_training_aligns_exactly_as_generate_does():
@@ -238,7 +238,7 @@ def test_settings_changed_mid_call_do_not_reach_the_call_in_flight(monkeypatch):
 
     def update(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        drafter.config.use_retrace = False
+        drafter.config.retrace = "untrained"  # the shipped policy would turn it off
         drafter.config.retrace_ablation = "no_gate"
         drafter.config.draft_confidence_threshold = 0.99
 

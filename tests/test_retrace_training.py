@@ -107,4 +107,4 @@ def test_fusion_stage_trains_only_retrace_and_lowers_its_loss(models, tmp_path):
         if key in backbone:
             assert torch.equal(value, backbone[key]), f"backbone weight {key} changed"
     assert drafter.retrace.output_projection.weight.abs().sum() > 0
-    assert drafter.config.retrace_enabled
+    assert drafter.config.retrace == "trained"

@@ -129,11 +129,12 @@ def test_outputs_are_not_compared_at_a_temperature_and_a_stopped_run_is_named():
 def test_the_ran_line_is_the_calls_round_policy():
     drafter = tiny_drafter(tiny_target(), block_size=4, retrace="untrained")
     drafter.config.lookup, drafter.config.lookup_start_tokens, drafter.config.lookup_num_tokens = True, 1, 4
-    drafter.config.draft_confidence_threshold, drafter.config.use_retrace = 0.65, False
+    drafter = drafter.with_policy()  # the untrained module with the shipped policy's choice (off)
+    drafter.config.draft_confidence_threshold = 0.65
     # no policy recorded (a call that never ran): the drafter's shipped one, from its config.json
     assert describe_round(drafter) == ("DFlash drafter, confidence cut 0.65; context lookup 2-4-grams, budget 1..4; "
                                        "ReTrace off (policy: shipped)")
-    drafter.config.use_retrace = True
+    drafter.config.retrace = "trained"
     assert describe_round(drafter).endswith("ReTrace on (policy: shipped)")
     tuned = RoundPolicy(confidence_cut=None, source="tuned", expected_speedup=1.31)
     assert describe_round(drafter, {"policy": tuned.describe()}) == (

@@ -22,12 +22,12 @@ class Method:
 
     Example::
 
-        ALL_METHODS["retrace+lookup"]  # Method(name="retrace+lookup", kind="drafter", use_retrace=True, lookup=True)
+        ALL_METHODS["retrace+lookup"]  # Method(name="retrace+lookup", kind="drafter", retrace=True, lookup=True)
     """
 
     name: str
     kind: str  # "plain" | "prompt-lookup" | "native" | "drafter"
-    use_retrace: bool = False
+    retrace: bool = False
     ablation: str = "full"
     description: str = ""
     lookup: bool = False  # the hybrid: context lookup rounds inside our generator
@@ -50,8 +50,8 @@ class Method:
             cut, start, cap = self.static
             return drafter.with_policy(base.replace(confidence_cut=cut, lookup=True, lookup_start=start,
                                                     lookup_cap=cap, retrace=False, source=f"static {self.name}"))
-        changes = {"speculate": True, "lookup": self.lookup, "retrace": self.use_retrace,
-                   "retrace_ablation": self.ablation, "kept_suffix_stats": self.use_retrace or self.full_block}
+        changes = {"speculate": True, "lookup": self.lookup, "retrace": self.retrace,
+                   "retrace_ablation": self.ablation, "kept_suffix_stats": self.retrace or self.full_block}
         if self.full_block:
             changes["confidence_cut"] = None
         return drafter.with_policy(**changes)
@@ -63,7 +63,7 @@ class Method:
     @property
     def drafter_names(self) -> tuple[str, ...]:
         """The ``--drafter NAME=PATH`` names this method reads, first match wins: its own name, then its ablation's."""
-        return (self.name, self.ablation) if self.use_retrace and self.ablation != "full" else (self.name,)
+        return (self.name, self.ablation) if self.retrace and self.ablation != "full" else (self.name,)
 
 
 ALL_METHODS: dict[str, Method] = {
@@ -86,22 +86,22 @@ ALL_METHODS: dict[str, Method] = {
                "(at T>0 it samples its drafts and verifies by rejection sampling)"),
         Method("dflash", "drafter", description="our drafter alone (no lookup), ReTrace off, the tuned cut and proposal "
                "mode (argmax = sample-and-match; sample = rejection sampling)"),
-        Method("retrace", "drafter", use_retrace=True, description="our drafter, ReTrace on"),
+        Method("retrace", "drafter", retrace=True, description="our drafter, ReTrace on"),
         Method("dflash-full-block", "drafter", full_block=True,
                description="our drafter, ReTrace off, adaptive block cut off (every round drafts the whole block)"),
-        Method("retrace-full-block", "drafter", use_retrace=True, full_block=True,
+        Method("retrace-full-block", "drafter", retrace=True, full_block=True,
                description="our drafter, ReTrace on, full blocks (where rejected suffixes are kept in most rounds)"),
         Method("dflash+lookup", "drafter", lookup=True,
                description="the hybrid: context lookup where the newest tokens occurred before, else the drafter"),
-        Method("retrace+lookup", "drafter", use_retrace=True, lookup=True, description="the hybrid with ReTrace on"),
+        Method("retrace+lookup", "drafter", retrace=True, lookup=True, description="the hybrid with ReTrace on"),
         *[
-            Method(f"retrace-{a}", "drafter", use_retrace=True, ablation=a, description=f"ReTrace ablation {a}")
+            Method(f"retrace-{a}", "drafter", retrace=True, ablation=a, description=f"ReTrace ablation {a}")
             for a in RETRACE_ABLATIONS
             if a != "full"
         ],
         # the ablations where the module has material: full blocks keep a rejected suffix in almost every round
         *[
-            Method(f"retrace-{a}-full-block", "drafter", use_retrace=True, ablation=a, full_block=True,
+            Method(f"retrace-{a}-full-block", "drafter", retrace=True, ablation=a, full_block=True,
                    description=f"ReTrace ablation {a}, full blocks")
             for a in RETRACE_ABLATIONS
             if a != "full"

@@ -128,7 +128,7 @@ def _resolve_drafters(requested: list[Method], drafter_keys: dict[str, str], tar
             continue
         untrained = (f"the ReTrace module of {path} is untrained (zero output projection): the retrace methods "
                      "using it draft exactly what dflash drafts")
-        if method.use_retrace and config.retrace_state == "untrained" and untrained not in notes:
+        if method.retrace and config.retrace == "untrained" and untrained not in notes:
             notes.append(untrained)
         drafter_paths[method.name] = str(path)
     return drafter_paths, skipped, notes
@@ -213,6 +213,6 @@ def _why_method_cannot_run(method: Method, config: Any) -> str | None:
         from .native import native_dflash_unavailable_reason
 
         return native_dflash_unavailable_reason(config)
-    if method.use_retrace and not config.retrace:
-        return "skipped: the drafter has no ReTrace module (config.retrace is false)"
+    if method.retrace and config.retrace == "absent":
+        return "skipped: the drafter has no ReTrace module (config.retrace is \"absent\")"
     return None

@@ -13,10 +13,10 @@ from ..generation.dispatch import check_target
 from .limits import METHODS, DemoError
 
 
-def drafter_view(drafter: Any, use_retrace: bool) -> Any:
+def drafter_view(drafter: Any, retrace: bool) -> Any:
     """The same drafter (shared weights and modules) whose calls run ReTrace on or off on top of their round policy
     (``drafter.with_policy``). Nothing is mutated per request."""
-    return drafter.with_policy(retrace=use_retrace)
+    return drafter.with_policy(retrace=retrace)
 
 
 @dataclass(frozen=True)
@@ -29,16 +29,16 @@ class DrafterViews:
     source: str
     backbone: Any
     retrace: Any | None  # None: the drafter has no ReTrace module (a plain DFlash checkpoint)
-    retrace_state: str  # absent / untrained / trained (ReTraceConfig.retrace_state)
+    retrace_state: str  # absent / untrained / trained (ReTraceConfig.retrace)
 
     @classmethod
     def of(cls, drafter: Any, source: str) -> "DrafterViews":
-        has_retrace = getattr(drafter, "retrace", None) is not None and drafter.config.retrace
+        has_retrace = getattr(drafter, "retrace", None) is not None
         return cls(
             source=source,
             backbone=drafter_view(drafter, False),
             retrace=drafter_view(drafter, True) if has_retrace else None,
-            retrace_state=drafter.config.retrace_state,
+            retrace_state=drafter.config.retrace,
         )
 
     def for_method(self, method: str) -> Any:

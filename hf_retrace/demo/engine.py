@@ -79,7 +79,7 @@ class DemoEngine:
     def describe_drafter(self) -> str:
         views = self.drafters
         cfg = views.backbone.config
-        return f"{views.source} (block size {cfg.block_size}, ReTrace module: {cfg.retrace_state})"
+        return f"{views.source} (block size {cfg.block_size}, ReTrace module: {cfg.retrace})"
 
     # --- requests ------------------------------------------------------------------------------------------------
     def validate(self, prompt: Any, method: Any, temperature: Any, max_new_tokens: Any, seed: Any) -> tuple:

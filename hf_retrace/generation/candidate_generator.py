@@ -95,7 +95,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.tap = TargetTap(target, drafter.config.target_layer_ids, bool(generation_config.output_hidden_states))
         self.requires_model_outputs = self.tap.uses_model_outputs
         self.model_kwargs_overrides = self.tap.model_kwargs_overrides
-        self.use_retrace = drafter.retrace is not None and policy.retrace
+        self.retrace = drafter.retrace if policy.retrace else None  # the module this call fuses with (None: off)
         one_transfer = self.one_transfer if self.one_transfer is not None else drafter.device.type != "cpu"
         # argmax proposals with no processor to run per slot: everything the host needs fits in one transfer
         self.one_transfer = one_transfer and len(self.logits_processor) == 0 and not self.sampled_proposals
@@ -243,7 +243,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.stats.rounds_with_kept_suffix += 1
         if self.policy.kept_suffix_stats:  # research statistics: host transfers, off the hot path unless asked for
             self.kept_pending += list(zip((draft.anchor_position + slots).tolist(), rejected.tolist()))
-        if not self.use_retrace:
+        if self.retrace is None:
             return
         target_p, target_t = scores[0, slots - 1].float().softmax(-1).max(-1)  # row j-1 predicts position s+j
         self.rejected_suffix = PendingSuffix(

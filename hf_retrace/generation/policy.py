@@ -223,7 +223,7 @@ def shipped_policy(config: Any) -> RoundPolicy:
         lookup_start=config.lookup_start_tokens,
         lookup_cap=config.lookup_num_tokens,
         proposal_mode=config.proposal_mode,
-        retrace=config.retrace_enabled,
+        retrace=config.retrace == "trained",  # an untrained module drafts as the backbone: off unless asked for
         retrace_ablation=config.retrace_ablation,
         source="shipped",
     )

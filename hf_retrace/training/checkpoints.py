@@ -190,11 +190,11 @@ def export_checkpoint(run_dir: str | os.PathLike[str], out_dir: str | os.PathLik
         raise FileNotFoundError(f"{run_dir} has no complete checkpoint to export.")
     config = ReTraceConfig.from_dict(json.loads((run_dir / DRAFTER_INIT).read_text())["config"])
     state = {k.removeprefix("drafter."): v for k, v in load_file(str(checkpoint / CHECKPOINT_MODEL)).items()}
-    if any(k.startswith("retrace.") for k in state):
-        config.retrace = True
+    if any(k.startswith("retrace.") for k in state) and config.retrace == "absent":
+        config.retrace = "untrained"
     settings = run_dir / RUN_SETTINGS
     if settings.is_file() and json.loads(settings.read_text()).get("stage") == "retrace":
-        config.retrace_trained = True  # the run trained the module: on by default, as in the run's own final save
+        config.retrace = "trained"  # the run trained the module (on in the shipped policy), as in its own final save
     drafter = ReTraceDrafter(config)
     drafter.load_state_dict(state, strict=True)
     save_in_dtype(drafter, out_dir, dtype)

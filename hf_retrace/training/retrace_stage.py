@@ -41,7 +41,7 @@ class ReTraceObjective(DFlashObjective):
             p.requires_grad_(False)
         self.verification = verification
         self.retrace_ablation = drafter.config.retrace_ablation  # the variant this run trains, fixed for the run
-        drafter.config.retrace_trained = True  # the fusion is on in this stage's evaluations
+        drafter.config.retrace = "trained"  # this stage trains it: on in the shipped policy of its evaluations
 
     @torch.no_grad()
     def _first_pass(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
