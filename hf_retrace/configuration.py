@@ -57,6 +57,49 @@ def drafter_target_mismatches(drafter_config: Any, target_config: Any) -> list[s
 MAX_DRAFTER_PARAMETERS = 20_000_000_000  # refuse absurd configs before a single weight is allocated
 
 
+def _stored_layout(fields: dict[str, Any], kwargs: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The fields that other stored layouts give, read from (and removed from) ``kwargs``: z-lab's (the DFlash fields
+    in a nested ``dflash_config``; ``model_type`` qwen3, so no ReTrace module), transformers 5's ``rope_parameters`` /
+    4.x's ``rope_scaling``, and this package's older ReTrace keys; keys no drafter reads are dropped."""
+    dflash = kwargs.pop("dflash_config", None) or {}
+    found = {name: dflash[name] for name in ("block_size", "mask_token_id", "target_layer_ids", "input_embedding_scale")
+             if name in dflash}
+    if "sliding_window" in dflash and fields["sliding_window"] is None:
+        found["sliding_window"] = dflash["sliding_window"]
+    found["retrace"] = _retrace_state(fields["retrace"], kwargs.pop("retrace_trained", False))
+    kwargs.pop("use_retrace", None)  # an older run-time switch: the round policy decides now
+    if kwargs.pop("model_type", model_type) != model_type:
+        found["retrace"] = "absent"  # a published DFlash checkpoint: no ReTrace module until one is added
+    rope = kwargs.pop("rope_parameters", None) or kwargs.pop("rope_scaling", None) or {}
+    found["rope_theta"] = rope.get("rope_theta", fields["rope_theta"])
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise ValueError(
+            f"ReTraceConfig supports plain RoPE only, but the checkpoint asks for rope_type={rope_type!r}. "
+            "Open an issue with the checkpoint name."
+        )
+    for unused in ("use_sliding_window", "max_window_layers", "tie_word_embeddings", "use_cache", "auto_map"):
+        kwargs.pop(unused, None)
+    return found
+
+
+def _normalised(fields: dict[str, Any]) -> dict[str, Any]:
+    """The fields with their derived defaults (``head_dim``, ``layer_types``, ``retrace_hidden_size``) and types."""
+    out = dict(fields)
+    if out["head_dim"] is None:
+        out["head_dim"] = out["hidden_size"] // out["num_attention_heads"]
+    if out["layer_types"] is None:
+        out["layer_types"] = ["full_attention"] * out["num_hidden_layers"]
+    out["retrace_hidden_size"] = out["retrace_hidden_size"] or out["hidden_size"]
+    out["layer_types"] = list(out["layer_types"])
+    out["target_layer_ids"] = None if out["target_layer_ids"] is None else list(out["target_layer_ids"])
+    for name, cast in (("rope_theta", float), ("input_embedding_scale", float), ("block_size", int), ("lookup", bool),
+                       ("lookup_min_ngram", int), ("lookup_max_ngram", int), ("lookup_num_tokens", int),
+                       ("lookup_start_tokens", int)):
+        out[name] = cast(out[name])
+    return out
+
+
 def _retrace_state(retrace: str | bool, trained: bool = False) -> str:
     """The ReTrace state from a config's ``retrace`` (a state, or the bool of configs saved before, with their
     ``retrace_trained``)."""
@@ -136,61 +179,10 @@ class ReTraceConfig(PretrainedConfig):
         proposal_mode: str = "argmax",
         **kwargs: Any,
     ):
-        # z-lab layouts: the DFlash fields may sit in a nested `dflash_config`
-        dflash = kwargs.pop("dflash_config", None) or {}
-        retrace = _retrace_state(retrace, kwargs.pop("retrace_trained", False))
-        kwargs.pop("use_retrace", None)  # an older run-time switch: the round policy decides now
-        if kwargs.pop("model_type", self.model_type) != self.model_type:
-            retrace = "absent"  # a published DFlash checkpoint (model_type qwen3): no ReTrace module until added
-        block_size = dflash.get("block_size", block_size)
-        mask_token_id = dflash.get("mask_token_id", mask_token_id)
-        target_layer_ids = dflash.get("target_layer_ids", target_layer_ids)
-        if "sliding_window" in dflash and sliding_window is None:
-            sliding_window = dflash["sliding_window"]
-        input_embedding_scale = dflash.get("input_embedding_scale", input_embedding_scale)
-        # transformers 5 stores rope_theta inside rope_parameters; 4.x in rope_theta (+ rope_scaling)
-        rope = kwargs.pop("rope_parameters", None) or kwargs.pop("rope_scaling", None) or {}
-        rope_theta = rope.get("rope_theta", rope_theta)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(
-                f"ReTraceConfig supports plain RoPE only, but the checkpoint asks for rope_type={rope_type!r}. "
-                "Open an issue with the checkpoint name."
-            )
-        for unused in ("use_sliding_window", "max_window_layers", "tie_word_embeddings", "use_cache", "auto_map"):
-            kwargs.pop(unused, None)
-
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
-        self.hidden_act = hidden_act
-        self.rms_norm_eps = rms_norm_eps
-        self.rope_theta = float(rope_theta)
-        self.max_position_embeddings = max_position_embeddings
-        self.attention_bias = attention_bias
-        self.layer_types = list(layer_types) if layer_types is not None else ["full_attention"] * num_hidden_layers
-        self.sliding_window = sliding_window
-        self.block_size = int(block_size)
-        self.mask_token_id = mask_token_id
-        self.target_layer_ids = list(target_layer_ids) if target_layer_ids is not None else None
-        self.num_target_layers = num_target_layers
-        self.learned_mask_embedding = learned_mask_embedding
-        self.input_embedding_scale = float(input_embedding_scale)
-        self.draft_vocab_size = draft_vocab_size
-        self.retrace = retrace
-        self.retrace_hidden_size = retrace_hidden_size or hidden_size
-        self.retrace_ablation = retrace_ablation
-        self.draft_confidence_threshold = draft_confidence_threshold
-        self.lookup = bool(lookup)
-        self.lookup_min_ngram = int(lookup_min_ngram)
-        self.lookup_max_ngram = int(lookup_max_ngram)
-        self.lookup_num_tokens = int(lookup_num_tokens)
-        self.lookup_start_tokens = int(lookup_start_tokens)
-        self.proposal_mode = proposal_mode
+        fields = {name: value for name, value in locals().items() if name not in ("self", "kwargs", "__class__")}
+        fields.update(_stored_layout(fields, kwargs, self.model_type))
+        for name, value in _normalised(fields).items():
+            setattr(self, name, value)
         super().__init__(tie_word_embeddings=False, **kwargs)
         # validated when a drafter is built: transformers instantiates a default config to diff against
 
