@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     exp.set_defaults(func=cmd_export)
 
     from .bench.commands import register as register_bench
-    from .training.commands import register as register_training
+    from .training.cli.commands import register as register_training
 
     from .demo import register as register_demo
 

@@ -67,13 +67,13 @@ def report(assets):
 
 @pytest.fixture
 def cli_without_training_commands(monkeypatch):
-    """cli.build_parser also registers `train`; stand in for hf_retrace.training.commands until it exists."""
+    """cli.build_parser also registers `train`; stand in for hf_retrace.training.cli.commands until it exists."""
     try:
-        importlib.import_module("hf_retrace.training.commands")
+        importlib.import_module("hf_retrace.training.cli.commands")
     except ImportError:
-        stub = types.ModuleType("hf_retrace.training.commands")
+        stub = types.ModuleType("hf_retrace.training.cli.commands")
         stub.register = lambda subparsers: None
-        monkeypatch.setitem(sys.modules, "hf_retrace.training.commands", stub)
+        monkeypatch.setitem(sys.modules, "hf_retrace.training.cli.commands", stub)
 
 
 def test_json_has_every_field_for_every_dataset_and_method(report):

@@ -97,7 +97,7 @@ def _unwritable(path: Path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("flag", ["--write", "--json"])
 def test_calibrate_refuses_an_output_it_cannot_write_before_any_model_loads(tmp_path, monkeypatch, flag):
-    from hf_retrace.training import commands
+    from hf_retrace.training.cli import commands
 
     drafter = tmp_path / "drafter"
     tiny_drafter(tiny_target(dtype=torch.float32)).save_pretrained(drafter)
@@ -156,7 +156,7 @@ def _run_with_checkpoints(out: Path, steps=(2, 4)) -> None:
 @pytest.mark.parametrize("damaged", ["model.safetensors", "optimizer.pt", "trainer_state.json"])
 def test_resume_passes_over_a_damaged_newest_checkpoint_naming_the_file(tmp_path, capsys, damaged):
     from hf_retrace.training.checkpoints import checkpoint_problem, latest_checkpoint, read_checkpoint
-    from hf_retrace.training.checks import check_resume_files
+    from hf_retrace.training.cli.checks import check_resume_files
 
     out = tmp_path / "run"
     _run_with_checkpoints(out)
@@ -175,7 +175,7 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_naming_the_file(tmp_path
 
 
 def test_resume_is_refused_when_no_checkpoint_or_the_settings_cannot_be_read(tmp_path):
-    from hf_retrace.training.checks import RUN_SETTINGS, check_resume_files
+    from hf_retrace.training.cli.checks import RUN_SETTINGS, check_resume_files
 
     out = tmp_path / "run"
     _run_with_checkpoints(out)

@@ -17,7 +17,7 @@ from huggingface_hub.errors import EntryNotFoundError
 
 from hf_retrace import ReTraceDrafter
 from hf_retrace.cli import main
-from hf_retrace.training.train_command import _push_to_hub
+from hf_retrace.training.cli.train_command import _push_to_hub
 from hf_retrace.tuning.records import RECORDS_FILENAME
 
 

@@ -319,7 +319,7 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(counting_target, tmp_pat
     """The newest checkpoint cut short (its optimizer state): --resume says which file, resumes from the newest intact
     one and ends where an uninterrupted run ends; with none intact it refuses before any model loads."""
     from hf_retrace.training.checkpoints import checkpoint_problem, step_checkpoints
-    from hf_retrace.training.commands import cmd_train
+    from hf_retrace.training.cli.commands import cmd_train
 
     target = counting_target
     data, fresh, full = _uninterrupted_run(target, tmp_path)
@@ -403,7 +403,7 @@ def test_param_filter_trains_only_retrace(counting_target, tmp_path):
 
 
 def _train_args(*argv):
-    from hf_retrace.training.commands import register
+    from hf_retrace.training.cli.commands import register
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
@@ -418,7 +418,7 @@ def _tokenized(tmp_path):
 
 
 def test_cli_refuses_bad_input_before_loading_models(tmp_path):
-    from hf_retrace.training.commands import cmd_train
+    from hf_retrace.training.cli.commands import cmd_train
 
     data = _tokenized(tmp_path)
     out = tmp_path / "out"
@@ -443,7 +443,7 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
 
 
 def test_resume_with_changed_settings_is_refused_with_the_differences_listed(tmp_path, counting_target):
-    from hf_retrace.training.checks import RUN_SETTINGS, check_resume_settings, run_settings
+    from hf_retrace.training.cli.checks import RUN_SETTINGS, check_resume_settings, run_settings
 
     data = _tokenized(tmp_path)
     base = ["--target", "default", "--data", str(data), "--out", str(tmp_path / "run"), "--block-size", "4"]
@@ -464,7 +464,7 @@ def test_resume_with_changed_settings_is_refused_with_the_differences_listed(tmp
 
 
 def test_cli_refuses_to_train_or_calibrate_on_held_out_benchmark_folders(tmp_path, monkeypatch):
-    from hf_retrace.training.commands import main
+    from hf_retrace.training.cli.commands import main
 
     data = _tokenized(tmp_path)
     monkeypatch.setenv("HF_RETRACE_HELD_OUT_DIRS", str(tmp_path))
@@ -475,7 +475,7 @@ def test_cli_refuses_to_train_or_calibrate_on_held_out_benchmark_folders(tmp_pat
     drafter = tmp_path / "d"
     drafter.mkdir()
     (drafter / "config.json").write_text("{}")
-    monkeypatch.setattr("hf_retrace.training.commands.load_target", lambda *a: pytest.fail("loaded a model"))
+    monkeypatch.setattr("hf_retrace.training.cli.commands.load_target", lambda *a: pytest.fail("loaded a model"))
     with pytest.raises(SystemExit, match="benchmark folder"):
         main(["calibrate", "--target", "default", "--drafter", str(drafter), "--prompts", str(prompts)])
     monkeypatch.delenv("HF_RETRACE_HELD_OUT_DIRS")

@@ -69,8 +69,6 @@ def record_round_records(target: Any, drafter: Any, prompt_ids: Sequence[Sequenc
                          temperature: float = 1.0, seed: int = 0, progress: bool = True) -> RoundRecords:
     """Record ``drafter``'s rounds on ``prompt_ids`` (held-out training prompts): greedy and sampled answers with
     teacher-forced blocks, and full-block rounds with sampled proposals."""
-    import hf_retrace  # noqa: F401  (the generate hook: the sampled-proposal rounds run through generate)
-
     if not prompt_ids:
         raise ValueError("recording needs at least one prompt (held-out training prompts, never benchmark prompts).")
     device = target.get_input_embeddings().weight.device

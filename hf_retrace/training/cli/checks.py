@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..tuning.records import RECORDS_FILENAME
-from .checkpoints import CHECKPOINTS, DRAFTER_INIT, RUN_SETTINGS, checkpoint_problem, step_checkpoints
-from .data import validate_prompt_file
-from .precomputed_features import STORE_MAKERS, covered_sequences, features_manifest, store_kind
-from .trainer import LOG_FILE
+from ...tuning.records import RECORDS_FILENAME
+from ..checkpoints import CHECKPOINTS, DRAFTER_INIT, RUN_SETTINGS, checkpoint_problem, step_checkpoints
+from ..data import validate_prompt_file
+from ..precomputed_features import STORE_MAKERS, covered_sequences, features_manifest, store_kind
+from ..trainer import LOG_FILE
 
 __all__ = [
     "RUN_SETTINGS",

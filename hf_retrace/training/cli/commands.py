@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..configuration import build_target_layer_ids
-from ..loading import load_drafter, load_target, resolve_target, torch_dtype
+from ...configuration import build_target_layer_ids
+from ...loading import load_drafter, load_target, resolve_target, torch_dtype
 from .arguments import (
     add_calibrate_arguments,
     add_features_arguments,
@@ -31,12 +31,12 @@ from .arguments import (
     add_train_arguments,
     build_train_parser,
 )
-from .calibrate import record_round_records
+from ..calibrate import record_round_records
 from .checks import check_calibration_args, check_prompt_file, parse_ids, require_tokenized, usage_error
-from .data import TokenizedDataset, generate_responses, prompt_token_ids, read_prompts, tokenize_responses
-from .data.recipes import PROMPT_RECIPES
-from .evaluation import sequence_prompt_ids
-from .precomputed_features import precompute_features, precompute_topk
+from ..data import TokenizedDataset, generate_responses, prompt_token_ids, read_prompts, tokenize_responses
+from ..data.recipes import PROMPT_RECIPES
+from ..evaluation import sequence_prompt_ids
+from ..precomputed_features import precompute_features, precompute_topk
 from .train_command import cmd_train
 
 __all__ = ["register", "cmd_train", "cmd_data", "build_train_parser"]
@@ -149,8 +149,8 @@ def _precompute_topk(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Record the drafter's rounds on held-out training prompts; print what this machine's tuner would choose."""
-    from ..tuning.auto import tune
-    from ..tuning.report import print_tuning
+    from ...tuning.auto import tune
+    from ...tuning.report import print_tuning
 
     sequences = check_calibration_args(args)
     if args.num_threads:
@@ -192,7 +192,7 @@ def _train_entry(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hf_retrace.training.commands train ...`` (same as ``hf-retrace train ...``)."""
+    """``python -m hf_retrace.training.cli.commands train ...`` (same as ``hf-retrace train ...``)."""
     parser = argparse.ArgumentParser(prog="hf-retrace")
     register(parser.add_subparsers(dest="command", required=True))
     argv = list(sys.argv[1:] if argv is None else argv)

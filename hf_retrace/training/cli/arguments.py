@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import argparse
 
-from ..configuration import RETRACE_ABLATIONS
-from ..loading import SHORT_DTYPES, add_device_arguments, dtype_arg
-from .objective import DEFAULT_GAMMA
-from .precomputed_features import DEFAULT_MAX_BATCH_TOKENS
+from ...configuration import RETRACE_ABLATIONS
+from ...loading import SHORT_DTYPES, add_device_arguments, dtype_arg
+from ..objective import DEFAULT_GAMMA
+from ..precomputed_features import DEFAULT_MAX_BATCH_TOKENS
 
 __all__ = ["add_calibrate_arguments", "add_features_arguments", "add_generate_arguments", "add_tokenize_arguments",
            "add_train_arguments", "build_train_parser"]

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..loading import load_target, portable_path, resolve_target
-from ..modeling import ReTraceDrafter
-from ..tuning.records import RECORDS_FILENAME
+from ...loading import load_target, portable_path, resolve_target
+from ...modeling import ReTraceDrafter
+from ...tuning.records import RECORDS_FILENAME
 from .checks import (
     RUN_SETTINGS,
     check_resume_settings,
@@ -32,23 +32,23 @@ from .checks import (
     usage_error,
     validate_train_args,
 )
-from .checkpoints import DRAFTER_INIT
-from .data import TokenizedDataset, prompt_token_ids, read_prompts
-from .drafter_init import (
+from ..checkpoints import DRAFTER_INIT
+from ..data import TokenizedDataset, prompt_token_ids, read_prompts
+from ..drafter_init import (
     check_drafter_matches_target,
     copy_target_layers,
     drafter_config_from_target,
     frequent_response_tokens,
     init_from_target_statistics,
 )
-from .evaluation import TauEvaluator, sequence_prompt_ids
-from .feature_dataset import FeatureDataset
-from .features import OnlineFeatures
-from .model_card import target_hub_id, write_model_card
-from .objective import DFlashObjective
-from .precomputed_features import PrecomputedFeatures, covered_sequences, features_manifest, precompute_features
-from .retrace_stage import ReTraceObjective
-from .trainer import ADAMW_BETAS, Trainer, TrainingArguments, backbone_parameters, retrace_parameters
+from ..evaluation import TauEvaluator, sequence_prompt_ids
+from ..feature_dataset import FeatureDataset
+from ..features import OnlineFeatures
+from ..model_card import target_hub_id, write_model_card
+from ..objective import DFlashObjective
+from ..precomputed_features import PrecomputedFeatures, covered_sequences, features_manifest, precompute_features
+from ..retrace_stage import ReTraceObjective
+from ..trainer import ADAMW_BETAS, Trainer, TrainingArguments, backbone_parameters, retrace_parameters
 
 __all__ = ["cmd_train"]
 
@@ -64,7 +64,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
-    import hf_retrace  # noqa: F401  (generate hook for tau evaluation)
 
     target_path = resolve_target(args.target)
     target, tokenizer = load_target(target_path, args.target_dtype, frozen=True)
