@@ -13,7 +13,7 @@ import torch
 from helpers import tiny_drafter, tiny_target
 
 import hf_retrace
-from hf_retrace.generation.policy import RoundGuard, RoundPolicy, confident_prefix
+from hf_retrace.generation.policy import LOOKUP_COST, RoundGuard, RoundPolicy, confident_prefix
 from hf_retrace.training.calibrate import record_answers, record_round_records
 from hf_retrace.tuning import auto
 from hf_retrace.tuning.costs import MachineCosts, measure_costs, measure_verify_costs
@@ -282,6 +282,36 @@ def test_measured_costs_are_relative_and_never_fall_with_more_drafts():
     assert len(verify) == 6 and verify[0] == 1 and all(b >= a for a, b in zip(verify, verify[1:]))
     costs = measure_costs(target, drafter, max_drafts=6, context_length=8, repeats=1)
     assert len(costs.verify_costs) == 7 and costs.draft_cost_chunk > 0 and costs.draft_cost_full > 0
+
+
+def test_in_the_accelerator_order_a_lookup_round_pays_the_drafters_whole_block():
+    """On an accelerator the drafter's block is launched before the lookup decision (one transfer per round): the cost
+    model prices every round with the whole block, and a lookup round with it too; on the CPU, as before."""
+    cpu = MachineCosts(ROWS.verify_costs, 0.15, 0.3, 0.04)
+    accelerator = MachineCosts(ROWS.verify_costs, 0.15, 0.3, 0.04, drafter_first=True)
+    base = RoundPolicy(confidence_cut=0.5, lookup=True)
+    on_cpu, on_device = cpu.arm(base), accelerator.arm(base)
+    assert (on_cpu.draft_cost, on_cpu.lookup_cost) == (0.15, LOOKUP_COST)
+    assert (on_device.draft_cost, on_device.lookup_cost) == (0.3, LOOKUP_COST + 0.3)
+    assert on_device.round_cost(3, from_lookup=True) == pytest.approx(LOOKUP_COST + 0.3 + ROWS.verify_costs[3])
+    assert MachineCosts.from_dict(accelerator.to_dict()).drafter_first  # the cache keeps it
+    assert not MachineCosts.from_dict({k: v for k, v in accelerator.to_dict().items() if k != "drafter_first"}
+                                      ).drafter_first  # a cache written before: the CPU order
+    # the choice follows: with lookup rounds priced higher, the accelerator replay gains less than the CPU's from them
+    records = _records(0.8, loops=True)
+    gain = {name: replay(records.greedy, costs.arm(base), 7)["tokens_per_cost"]
+            for name, costs in (("cpu", cpu), ("accelerator", accelerator))}
+    assert gain["accelerator"] < gain["cpu"]
+
+
+def test_measured_costs_say_which_round_order_the_drafters_device_runs(monkeypatch):
+    from hf_retrace.tuning import costs as costs_module
+
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)
+    assert not measure_costs(target, drafter, max_drafts=4, context_length=8, repeats=1).drafter_first  # the CPU
+    monkeypatch.setattr(costs_module, "drafter_first", lambda device: True)
+    assert measure_costs(target, drafter, max_drafts=4, context_length=8, repeats=1).drafter_first
 
 
 def test_recorded_rounds_round_trip_and_replay_the_generators_cut(tmp_path):

@@ -30,6 +30,13 @@ from .target_features import TargetTap
 _ARGMAX_PRESERVING = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper)
 
 
+def drafter_first(device: Any) -> bool:
+    """Whether rounds run in the accelerator order (the drafter's whole block launched before the lookup decision, one
+    transfer to the host; see :class:`ReTraceCandidateGenerator`): on every device but the CPU. The tuner's cost model
+    asks the same (a lookup round then pays the drafter's round too)."""
+    return torch.device(device).type != "cpu"
+
+
 @dataclass
 class DraftRound:
     """What the drafter proposed this round, kept until the target's verdict arrives."""
@@ -96,7 +103,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         self.requires_model_outputs = self.tap.uses_model_outputs
         self.model_kwargs_overrides = self.tap.model_kwargs_overrides
         self.retrace = drafter.retrace if policy.retrace else None  # the module this call fuses with (None: off)
-        one_transfer = self.one_transfer if self.one_transfer is not None else drafter.device.type != "cpu"
+        one_transfer = self.one_transfer if self.one_transfer is not None else drafter_first(drafter.device)
         # argmax proposals with no processor to run per slot: everything the host needs fits in one transfer
         self.one_transfer = one_transfer and len(self.logits_processor) == 0 and not self.sampled_proposals
         self.cache = DynamicCache()

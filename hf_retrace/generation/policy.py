@@ -26,6 +26,9 @@ __all__ = ["RoundGuard", "RoundPolicy", "confident_prefix", "resolve_policy", "s
            "verify_cost"]
 
 
+LOOKUP_COST = 0.01  # a lookup round's own work (the n-gram index), in one-token target steps
+
+
 def confident_prefix(confidences: Sequence[float], threshold: float | None) -> int:
     """How many slots a round drafts (the adaptive block): slot 1 always, then each next slot while its top
     probability stays at or above ``threshold`` (``None``: the whole block)."""
@@ -78,7 +81,7 @@ class RoundPolicy:
     kept_suffix_stats: bool = False
     verify_costs: tuple[float, ...] | None = None
     draft_cost: float | None = None
-    lookup_cost: float = 0.01
+    lookup_cost: float = LOOKUP_COST
     source: str = "explicit"
     reason: str = ""
     expected_speedup: float | None = None  # the replay's tokens per step-cost (tuned policies only)

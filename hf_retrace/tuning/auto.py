@@ -141,8 +141,7 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None) -> dict
     costs = measure_costs(target, drafter, max_drafts=longest)
     base = shipped_policy(drafter.config)
     if records is None:
-        armed = base.replace(verify_costs=costs.verify_costs, draft_cost=costs.draft_cost(base.confidence_cut),
-                             reason="the drafter ships no recorded rounds to replay")
+        armed = costs.arm(base, reason="the drafter ships no recorded rounds to replay")
         choice = {"greedy": armed, "sampled": armed, "tables": {}}
     else:
         choice = choose_policies(records, costs, base)

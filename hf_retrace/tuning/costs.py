@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ..generation.candidate_generator import drafter_first
 from ..generation.placement import synchronize
-from ..generation.policy import verify_cost
+from ..generation.policy import LOOKUP_COST, RoundPolicy, verify_cost
 from ..generation.target_features import cache_kwargs
 
 __all__ = ["MachineCosts", "measure_costs", "measure_draft_cost", "measure_verify_costs", "timed"]
@@ -40,16 +41,28 @@ def timed(fn: Any, device: Any) -> float:
 class MachineCosts:
     """``verify_costs[k]``: the target's forward over ``k + 1`` new tokens / its one-token forward (k = 0..max);
     ``draft_cost_chunk`` / ``draft_cost_full``: a drafter round scoring 2 slots / the whole block, same unit;
-    ``step_seconds``: the one-token forward itself."""
+    ``step_seconds``: the one-token forward itself; ``drafter_first``: the drafter runs on an accelerator, where rounds
+    launch its whole block before the lookup decision (:func:`~hf_retrace.generation.candidate_generator.drafter_first`).
+    """
 
     verify_costs: tuple[float, ...]
     draft_cost_chunk: float
     draft_cost_full: float
     step_seconds: float
+    drafter_first: bool = False
 
     def draft_cost(self, confidence_cut: float | None) -> float:
-        """A drafter round's cost under a cut (``None``: full blocks score every slot; else mostly the first chunk)."""
-        return self.draft_cost_full if confidence_cut is None else self.draft_cost_chunk
+        """A drafter round's cost under a cut (``None``: full blocks score every slot; else mostly the first chunk; in
+        the accelerator order every round scores the whole block)."""
+        return self.draft_cost_full if confidence_cut is None or self.drafter_first else self.draft_cost_chunk
+
+    def arm(self, policy: RoundPolicy, **changes: Any) -> RoundPolicy:
+        """``policy`` (with ``changes``) priced on this machine: the verify curve, the drafter round its cut pays, and a
+        lookup round's cost (in the accelerator order it pays the drafter's whole block too)."""
+        policy = policy.replace(**changes)
+        lookup = LOOKUP_COST + (self.draft_cost_full if self.drafter_first else 0.0)
+        return policy.replace(verify_costs=self.verify_costs, draft_cost=self.draft_cost(policy.confidence_cut),
+                              lookup_cost=lookup)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -59,7 +72,7 @@ class MachineCosts:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MachineCosts":
         return cls(tuple(data["verify_costs"]), float(data["draft_cost_chunk"]), float(data["draft_cost_full"]),
-                   float(data["step_seconds"]))
+                   float(data["step_seconds"]), bool(data.get("drafter_first", False)))
 
 
 def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -195,4 +208,4 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
     max_drafts = max(max_drafts, drafter.config.block_size - 1)
     ratios, step = _verify_ratios(target, max_drafts, context_length, repeats, PROBE_POINTS)
     chunk, full = measure_draft_cost(target, drafter, step, context_length, repeats)
-    return MachineCosts(tuple(_relative(ratios, max_drafts)), chunk, full, step)
+    return MachineCosts(tuple(_relative(ratios, max_drafts)), chunk, full, step, drafter_first(drafter.device))

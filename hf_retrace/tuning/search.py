@@ -37,11 +37,6 @@ def best_row(table: Sequence[dict[str, Any]], tie: float = TIE) -> dict[str, Any
     return max((row for row in table if row["tokens_per_cost"] >= top * (1 - tie)), key=lambda row: row["tau"])
 
 
-def _with_costs(policy: RoundPolicy, costs: MachineCosts, **changes: Any) -> RoundPolicy:
-    policy = policy.replace(**changes)
-    return policy.replace(verify_costs=costs.verify_costs, draft_cost=costs.draft_cost(policy.confidence_cut))
-
-
 def _budget(lookup: tuple[int, int] | None) -> dict[str, Any]:
     return {"lookup": False} if lookup is None else {"lookup": True, "lookup_start": lookup[0],
                                                      "lookup_cap": lookup[1]}
@@ -55,7 +50,7 @@ def search_policy(answers: Sequence[Any], costs: MachineCosts, base: RoundPolicy
     table: list[dict[str, Any]] = []
 
     def walk(cut: float | None, lookup: tuple[int, int] | None) -> dict[str, Any]:
-        policy = _with_costs(base, costs, confidence_cut=cut, **_budget(lookup))
+        policy = costs.arm(base, confidence_cut=cut, **_budget(lookup))
         row = {"confidence_cut": cut, "lookup": lookup, "policy": policy, **replay(answers, policy, max_drafts)}
         table.append(row)
         return row
@@ -81,7 +76,7 @@ def choose_policies(records: RoundRecords, costs: MachineCosts, base: RoundPolic
     result: dict[str, Any] = {"tables": {}}
     for name, answers in (("greedy", records.greedy), ("sampled", records.sampled)):
         if not answers:
-            result[name] = _with_costs(base, costs).replace(source="shipped", reason="no recorded rounds to replay")
+            result[name] = costs.arm(base).replace(source="shipped", reason="no recorded rounds to replay")
             continue
         best, table = search_policy(answers, costs, base.replace(proposal_mode="argmax"), max_drafts)
         policy = best["policy"]
@@ -105,13 +100,13 @@ def _proposal_mode(records: RoundRecords, policy: RoundPolicy, costs: MachineCos
     rows = []
     for mode, rounds in (("argmax", argmax_rounds), ("sample", records.sample_rounds)):
         for cut in CUTS:
-            candidate = _with_costs(policy, costs, confidence_cut=cut, proposal_mode=mode)
+            candidate = costs.arm(policy, confidence_cut=cut, proposal_mode=mode)
             rows.append({"proposal_mode": mode, "confidence_cut": cut, **replay_rounds(rounds, candidate)})
     tables["proposal_mode"] = rows
     best = best_row(rows)
     if best["proposal_mode"] == "argmax":
         return policy
-    return _with_costs(policy, costs, proposal_mode="sample", confidence_cut=best["confidence_cut"])
+    return costs.arm(policy, proposal_mode="sample", confidence_cut=best["confidence_cut"])
 
 
 def _full_block_rounds(answer: Any, max_drafts: int) -> list[tuple[list[float], int]]:
