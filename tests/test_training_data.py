@@ -129,7 +129,7 @@ def test_left_padded_batches_match_batch_one_greedy(tmp_path, tokenizer, target_
     for prompt in PROMPTS:
         assert batched_records[prompt.id]["response_ids"] == single_records[prompt.id]["response_ids"], prompt.id
         assert batched_records[prompt.id]["response"] == single_records[prompt.id]["response"]
-    # the batches run on a preallocated (static) cache: the same tokens as the target's own generate (dynamic cache)
+    # left-padded batches answer with the same tokens as the target's own generate, one prompt at a time
     ids = prompt_token_ids(tokenizer, [p.prompt for p in PROMPTS])
     for prompt, prompt_ids in zip(PROMPTS, ids):
         plain = target_with_smollm_vocab.generate(torch.tensor([prompt_ids]), max_new_tokens=12, do_sample=False,
