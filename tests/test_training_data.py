@@ -137,6 +137,33 @@ def test_left_padded_batches_match_batch_one_greedy(tmp_path, tokenizer, target_
         assert batched_records[prompt.id]["response_ids"] == plain[: len(batched_records[prompt.id]["response_ids"])]
 
 
+def test_a_growing_cache_layer_holds_what_concatenation_holds():
+    """The batched answers' cache layer (a buffer grown by doubling) against transformers' DynamicLayer: a prefill,
+    single steps across two growths, a crop and a reorder (replaced tensors are adopted), step by step."""
+    from transformers.cache_utils import DynamicLayer
+
+    from hf_retrace.training.data.responses import GrowingLayer
+
+    ours, reference = GrowingLayer(), DynamicLayer()
+    generator = torch.Generator().manual_seed(0)
+
+    def step(length: int) -> None:
+        k, v = torch.randn(2, 3, length, 4, generator=generator), torch.randn(2, 3, length, 4, generator=generator)
+        got, want = ours.update(k, v), reference.update(k, v)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and ours.get_seq_length() == reference.get_seq_length()
+
+    step(5)
+    for _ in range(600):  # past 256 and 512 positions: two growths
+        step(1)
+    ours.crop(-7), reference.crop(-7)
+    step(3)
+    order = torch.tensor([1, 0])
+    ours.keys, ours.values = ours.keys[order], ours.values[order]
+    reference.keys, reference.values = reference.keys[order], reference.values[order]
+    step(1)
+    step(2)
+
+
 class _CrashingTarget:
     """Delegates to a model; its ``generate`` raises after ``crash_after`` calls (a simulated kill)."""
 

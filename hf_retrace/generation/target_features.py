@@ -49,8 +49,10 @@ def loop_selects_hidden_state_indices() -> bool:
 
 def cache_kwargs(model: nn.Module, cache: Any) -> dict[str, Any]:
     """``{name: cache}`` for a direct call of ``model``: ``cache`` where its ``forward`` takes it (transformers 5.24
-    renamed ``past_key_values``, which warns there and goes in 5.40), ``past_key_values`` otherwise (4.57)."""
-    return {_cache_argument(type(model)): cache}
+    renamed ``past_key_values``, which warns there and goes in 5.40), ``past_key_values`` otherwise (4.57). A wrapper
+    that hands attribute access to a model is asked about that model."""
+    model_class = type(model) if hasattr(type(model), "forward") else type(model.forward.__self__)
+    return {_cache_argument(model_class): cache}
 
 
 @functools.lru_cache(maxsize=None)

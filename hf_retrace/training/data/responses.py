@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
+from ...generation.target_features import cache_kwargs
 from .chat_template import end_of_turn_token_id, prompt_token_ids
 from .prompts import PromptRecord
 from .response_shards import ResponseShardWriter, response_shards
@@ -80,6 +83,37 @@ def _batch_plan(prompt_lengths: Sequence[int], batch_size: int) -> list[list[int
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
+class GrowingLayer(DynamicLayer):
+    """A :class:`~transformers.cache_utils.DynamicLayer` whose keys and values live in a buffer grown by doubling: a
+    decode step writes its row into the buffer instead of concatenating the whole cache (at batch 32 and a few hundred
+    positions the concatenation took most of a step). ``keys`` / ``values`` are views of the buffer's filled part;
+    anything that replaces them (a crop, a reorder) is adopted at the next update."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        end = length + key_states.shape[-2]
+        buffers = getattr(self, "_grown", None)
+        owned = buffers is not None and (length == 0 or self.keys.data_ptr() == buffers[0].data_ptr())
+        if not owned or end > buffers[0].shape[-2] or buffers[0].shape[:-2] != key_states.shape[:-2]:
+            buffers = tuple(new.new_empty((*new.shape[:-2], max(2 * end, 256), new.shape[-1]))
+                            for new in (key_states, value_states))
+            if length:
+                buffers[0][..., :length, :], buffers[1][..., :length, :] = self.keys, self.values
+            self._grown = buffers
+        buffers[0][..., length:end, :], buffers[1][..., length:end, :] = key_states, value_states
+        self.keys, self.values = buffers[0][..., :end, :], buffers[1][..., :end, :]
+        return self.keys, self.values
+
+
+def growing_cache() -> DynamicCache:
+    """A dynamic cache of :class:`GrowingLayer` (one per decoder layer, made as the forward reaches it)."""
+    cache = DynamicCache()
+    cache.layers, cache.layer_class_to_replicate = [], GrowingLayer
+    return cache
+
+
 @torch.inference_mode()
 def _generate_batch(
     target: Any,
@@ -94,6 +128,7 @@ def _generate_batch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         pad_token_id=pad_token_id,
+        **cache_kwargs(target, growing_cache()),  # 19 % more tokens/s than the default cache here, the same tokens
         **generation_kwargs,
     )
     return output[:, input_ids.shape[1] :].tolist()
@@ -101,8 +136,8 @@ def _generate_batch(
 
 def _generation_kwargs(max_new_tokens: int, do_sample: bool, temperature: float, top_p: float,
                        eos_ids: set[int]) -> dict[str, Any]:
-    # the default (dynamic) cache: a preallocated static one measured no faster for the data job's batches (32 long
-    # prompts, 256 new tokens, 1 thread, AVX2: 47.3 vs 48.3 tok/s): it attends over the whole preallocated length
+    # (a preallocated static cache measured no faster for the data job's batches, 32 long prompts x 256 new tokens on 1
+    # AVX2 thread: 47.3 vs 48.3 tok/s, since it attends over its whole length from the first step; see GrowingLayer)
     kwargs: dict[str, Any] = {"max_new_tokens": max_new_tokens, "do_sample": do_sample, "eos_token_id": sorted(eos_ids)}
     if do_sample:
         kwargs.update(temperature=temperature, top_p=top_p)
