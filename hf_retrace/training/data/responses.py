@@ -8,6 +8,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -83,6 +84,9 @@ def _batch_plan(prompt_lengths: Sequence[int], batch_size: int) -> list[list[int
     return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
 
+_LAZY_INIT_ARGS = len(inspect.signature(DynamicLayer.lazy_initialization).parameters) - 1
+
+
 class GrowingLayer(DynamicLayer):
     """A :class:`~transformers.cache_utils.DynamicLayer` whose keys and values live in a buffer grown by doubling: a
     decode step writes its row into the buffer instead of concatenating the whole cache (at batch 32 and a few hundred
@@ -90,8 +94,8 @@ class GrowingLayer(DynamicLayer):
     anything that replaces them (a crop, a reorder) is adopted at the next update."""
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+        if not self.is_initialized:  # (transformers 4.57's takes the keys only)
+            self.lazy_initialization(*(key_states, value_states)[: _LAZY_INIT_ARGS])
         length = self.get_seq_length()
         end = length + key_states.shape[-2]
         buffers = getattr(self, "_grown", None)
