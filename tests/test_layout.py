@@ -133,6 +133,21 @@ def test_every_component_has_a_declared_layer():
     assert components <= set(RANK), f"modules without a layer in this test and the README: {components - set(RANK)}"
 
 
+def test_the_readme_layout_declares_these_layers_and_names_every_component():
+    """README's layout section is the tree's: its "Imports flow" line is LAYERS (highest first), and its block names
+    every module and subpackage of the package."""
+    readme = (PACKAGE.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    flow = " ".join(section.split("Imports flow `", 1)[1].split("`", 1)[0].split())
+    declared = [{name.strip() for name in group.split(",")} for group in flow.split("->")]
+    assert declared == LAYERS[::-1], f"README's import flow {declared} is not this test's {LAYERS[::-1]}"
+    block = section.split("```", 2)[1]
+    names = {p.name if p.is_dir() else p.stem for p in PACKAGE.iterdir()
+             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.name != "__init__.py")}
+    missing = sorted(n for n in names - {"default_drafter"} if f"{n}.py" not in block and f"{n}/" not in block)
+    assert not missing, f"README's layout block does not name {missing}"
+
+
 def test_no_module_imports_upward_or_sideways():
     wrong = []
     for path in sorted(PACKAGE.rglob("*.py")):
