@@ -443,6 +443,7 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
 
 
 def test_resume_with_changed_settings_is_refused_with_the_differences_listed(tmp_path, counting_target):
+    from hf_retrace.configuration import RETRACE_STATES
     from hf_retrace.training.cli.checks import RUN_SETTINGS, check_resume_settings, run_settings
 
     data = _tokenized(tmp_path)
@@ -461,6 +462,11 @@ def test_resume_with_changed_settings_is_refused_with_the_differences_listed(tmp
     with pytest.raises(SystemExit, match="drafter"):
         check_resume_settings(tmp_path / "run", run_settings(_train_args(*base, "--batch-size", "2"),
                                                              other_shape.config, 1))
+    # the ReTrace module's presence is shape, its training state is not (a ReTrace run marks it trained as it starts);
+    # recorded as a bool, as runs recorded before the state existed did
+    recorded = {state: run_settings(_train_args(*base, "--batch-size", "2"), drafter.config.__class__(
+        **{**drafter.config.to_dict(), "retrace": state}), 1)["drafter"]["retrace"] for state in RETRACE_STATES}
+    assert recorded == {"absent": False, "untrained": True, "trained": True}
 
 
 def test_cli_refuses_to_train_or_calibrate_on_held_out_benchmark_folders(tmp_path, monkeypatch):

@@ -48,6 +48,12 @@ _SHAPE_FIELDS = ("block_size", "num_hidden_layers", "hidden_size", "intermediate
                  "mask_token_id", "retrace")
 
 
+def _shape_value(drafter_config: Any, name: str) -> Any:
+    """A shape field as a run records it; for ReTrace, whether the module exists (its training state is not shape)."""
+    value = getattr(drafter_config, name, None)
+    return value != "absent" if name == "retrace" and isinstance(value, str) else value
+
+
 def usage_error(message: str) -> SystemExit:
     return SystemExit(f"hf-retrace: error: {message}")
 
@@ -125,7 +131,7 @@ def run_settings(args: argparse.Namespace, drafter_config: Any, num_processes: i
         "lr": args.lr, "weight_decay": args.weight_decay, "warmup_ratio": args.warmup_ratio,
         "max_grad_norm": args.max_grad_norm, "epochs": args.epochs, "max_steps": args.max_steps,
         "bf16": args.bf16, "target_dtype": args.target_dtype,
-        "drafter": {name: getattr(drafter_config, name, None) for name in _SHAPE_FIELDS},
+        "drafter": {name: _shape_value(drafter_config, name) for name in _SHAPE_FIELDS},
         # only when used, so that runs recorded before the flag existed still resume
         **({"distill_weight": args.distill_weight} if args.distill_weight else {}),
     }
