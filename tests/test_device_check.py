@@ -35,6 +35,7 @@ def test_the_smoke_run_checks_equality_counts_syncs_and_times_every_row(tmp_path
     # on a GPU the accelerator order reads once per step (tests/test_host_syncs.py forces it on the CPU)
     assert report["host_syncs"]["default"]["conversions"] > 0
     assert report["host_syncs"]["full blocks"]["most_in_a_step"] <= 1
+    assert report["host_syncs"]["default, accelerator order (forced)"]["most_in_a_step"] <= 1
     costs = report["costs_bf16"]
     assert costs["verify_costs"][0] == 1 and len(costs["verify_costs"]) == 17 and costs["step_seconds"] > 0
     rows = report["timings_bf16"]
