@@ -294,6 +294,8 @@ def test_in_the_accelerator_order_a_lookup_round_pays_the_drafters_whole_block()
     assert (on_cpu.draft_cost, on_cpu.lookup_cost) == (0.15, LOOKUP_COST)
     assert (on_device.draft_cost, on_device.lookup_cost) == (0.3, LOOKUP_COST + 0.3)
     assert on_device.round_cost(3, from_lookup=True) == pytest.approx(LOOKUP_COST + 0.3 + ROWS.verify_costs[3])
+    sampled = accelerator.arm(base, proposal_mode="sample")  # a processor per slot: the CPU order on every device
+    assert (sampled.draft_cost, sampled.lookup_cost) == (0.15, LOOKUP_COST)
     assert MachineCosts.from_dict(accelerator.to_dict()).drafter_first  # the cache keeps it
     assert not MachineCosts.from_dict({k: v for k, v in accelerator.to_dict().items() if k != "drafter_first"}
                                       ).drafter_first  # a cache written before: the CPU order

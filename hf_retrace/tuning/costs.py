@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -58,10 +58,12 @@ class MachineCosts:
 
     def arm(self, policy: RoundPolicy, **changes: Any) -> RoundPolicy:
         """``policy`` (with ``changes``) priced on this machine: the verify curve, the drafter round its cut pays, and a
-        lookup round's cost (in the accelerator order it pays the drafter's whole block too)."""
+        lookup round's cost (in the accelerator order it pays the drafter's whole block too). Sampled proposals run a
+        processor per slot, so their rounds keep the CPU order on every device and are priced so."""
         policy = policy.replace(**changes)
-        lookup = LOOKUP_COST + (self.draft_cost_full if self.drafter_first else 0.0)
-        return policy.replace(verify_costs=self.verify_costs, draft_cost=self.draft_cost(policy.confidence_cut),
+        costs = self if policy.proposal_mode == "argmax" else replace(self, drafter_first=False)
+        lookup = LOOKUP_COST + (costs.draft_cost_full if costs.drafter_first else 0.0)
+        return policy.replace(verify_costs=costs.verify_costs, draft_cost=costs.draft_cost(policy.confidence_cut),
                               lookup_cost=lookup)
 
     def to_dict(self) -> dict[str, Any]:

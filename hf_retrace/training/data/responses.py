@@ -132,7 +132,7 @@ def _generate_batch(
         input_ids=input_ids.to(device),
         attention_mask=attention_mask.to(device),
         pad_token_id=pad_token_id,
-        **cache_kwargs(target, growing_cache()),  # 19 % more tokens/s than the default cache here, the same tokens
+        **cache_kwargs(target, growing_cache()),  # 17 % more tokens/s than the default cache here, the same tokens
         **generation_kwargs,
     )
     return output[:, input_ids.shape[1] :].tolist()
