@@ -224,3 +224,35 @@ def test_a_features_folder_is_refused_as_topk_dir_and_the_reverse(tiny_run, tmp_
         main(["data", "topk", "--target", str(root / "target"), "--data", str(root / "tok"), "--out",
               str(tmp_path / "big"), "--k", "1000", "--dtype", "float32"])
     assert not (tmp_path / "big").exists()
+
+
+def test_data_that_grew_keeps_its_features_and_training_computes_the_rest(tiny_run, tmp_path):
+    """`data tokenize` grows a folder by a new response shard, `train --features-dir` accepts the features made before
+    and computes the new sequences' ones; features of other data are refused before any model loads."""
+    root = tiny_run
+    answers = [json.loads(line) for line in (root / "answers.jsonl").read_text().splitlines()]
+    shards = tmp_path / "responses"
+    shards.mkdir()
+    (shards / "responses-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers[:8]))
+    (tmp_path / "held.jsonl").write_text(json.dumps({"id": "r3", "prompt": "kept for evaluation"}) + "\n")
+    tokenize = ["data", "tokenize", "--target", str(root / "target"), "--responses", str(shards), "--out",
+                str(tmp_path / "tok"), "--max-length", "64", "--exclude-ids", str(tmp_path / "held.jsonl")]
+    assert main(tokenize) == 0
+    assert main(["data", "features", "--target", str(root / "target"), "--data", str(tmp_path / "tok"), "--out",
+                 str(tmp_path / "feats"), "--target-layer-ids", "0,1", "--dtype", "float32"]) == 0
+    assert PrecomputedFeatures(tmp_path / "feats").manifest["num_sequences"] == 7  # r3 left out
+
+    (shards / "responses-00001.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answers[8:]))
+    assert main(tokenize) == 0
+    assert json.loads((tmp_path / "tok" / "manifest.json").read_text())["num_sequences"] == 11
+    argv = _train_argv(root, tmp_path / "run", "--features-dir", str(tmp_path / "feats"))
+    argv[argv.index("--data") + 1] = str(tmp_path / "tok")
+    assert main(argv) == 0
+    store = PrecomputedFeatures(tmp_path / "feats")
+    assert store.manifest["complete"] and len(store) == 11
+
+    argv = _train_argv(root, tmp_path / "other", "--features-dir", str(tmp_path / "feats"))  # root/tok: other data
+    argv[argv.index("--target") + 1] = "no/such-model"
+    with pytest.raises(SystemExit, match="--features-dir .* does not belong to --data .*features-00000.bin holds other"):
+        main(argv)
+    assert not (tmp_path / "other").exists()

@@ -27,7 +27,7 @@ from hf_retrace.training.objective import (
     decay_weights,
     sample_anchors,
 )
-from hf_retrace.training.precomputed_features import PrecomputedFeatures, precompute_features
+from hf_retrace.training.precomputed_features import PrecomputedFeatures, precompute_features, store_fits
 from hf_retrace.training.trainer import Trainer, TrainingArguments, retrace_parameters
 
 VOCAB, CYCLE, EOS, PAD = 48, 40, 47, 46
@@ -196,6 +196,37 @@ def test_online_and_precomputed_features_give_the_same_loss(counting_target, tmp
     loss_pre, _ = obj({**batch_pre, "anchor_generator": torch.Generator().manual_seed(3)})
     loss_on, _ = obj({**batch_on, "anchor_generator": torch.Generator().manual_seed(3)})
     assert abs(loss_pre.item() - loss_on.item()) < 1e-5
+
+
+def test_features_of_a_dataset_that_grew_keep_their_shards_and_compute_the_rest(counting_target, tmp_path):
+    target, layer_ids = counting_target, [0, 1, 2]
+    full = _dataset(17)
+    first = ListDataset([item["input_ids"] for item in full.items[:12]])
+    out = tmp_path / "feats"
+    before = precompute_features(target, first, out, layer_ids, shard_sequences=5, progress=False)
+    assert [(s["start"], s["end"]) for s in before["shards"]] == [(0, 5), (5, 10), (10, 12)]
+    stamps = {s["file"]: (out / s["file"]).stat().st_mtime_ns for s in before["shards"]}
+    assert store_fits(before, full) is None  # the data grew after its first 12 sequences
+
+    grown = precompute_features(target, full, out, layer_ids, shard_sequences=5, progress=False)
+    assert grown["complete"] and [(s["start"], s["end"]) for s in grown["shards"]] == [(0, 5), (5, 10), (10, 15),
+                                                                                         (15, 17)]
+    kept = [(out / f).stat().st_mtime_ns == stamp for f, stamp in stamps.items()]
+    assert kept == [True, True, False]  # the last, shorter shard is made again with the new sequences
+    fresh = precompute_features(target, full, tmp_path / "fresh", layer_ids, shard_sequences=5, progress=False)
+    assert grown["shards"] == fresh["shards"]
+    stored, reference = PrecomputedFeatures(out), PrecomputedFeatures(tmp_path / "fresh")
+    assert len(stored) == 17 and all(torch.allclose(stored[i], reference[i], atol=1e-5) for i in range(17))
+
+    other = _dataset(17, seed=5)  # other sequences: refused, nothing changed
+    assert "nor its first sequences" in store_fits(grown, other)
+    same_lengths = ListDataset([(item["input_ids"] + 1) % CYCLE for item in full.items])
+    assert "holds other sequences than this dataset's 0..4" in store_fits(grown, same_lengths)
+    with pytest.raises(ValueError, match="features of other data"):
+        precompute_features(target, other, out, layer_ids, shard_sequences=5, progress=False)
+    with pytest.raises(ValueError, match=r"\['num_sequences'\] differ"):  # a store never shrinks
+        precompute_features(target, first, out, layer_ids, shard_sequences=5, progress=False)
+    assert json.loads((out / "features.json").read_text()) == grown
 
 
 def test_bf16_features_are_stored_bit_exact(counting_target, tmp_path):

@@ -310,6 +310,70 @@ def test_tokenization_is_resumable_and_checks_settings(tmp_path, tokenizer):
         tokenize_responses(tokenizer, [source], out, max_length=256, shard_size=2)
 
 
+MORE = [
+    {"id": "e", "prompt": "Name a colour.", "response": "Blue.", "finish": "eos"},
+    {"id": "f", "prompt": "Name a fruit.", "response": "An apple, or a pear", "finish": "length"},
+    {"id": "g", "prompt": "Name a tree.", "response": "Oak.", "finish": "eos"},
+]
+
+
+def _sequences(dataset: TokenizedDataset) -> list[tuple[list[int], list[bool]]]:
+    return [(dataset[i]["input_ids"].tolist(), dataset[i]["loss_mask"].tolist()) for i in range(len(dataset))]
+
+
+def test_a_tokenized_folder_grows_by_new_sources_and_keeps_its_sequences(tmp_path, tokenizer):
+    shipped = _write_jsonl(tmp_path / "shipped.jsonl", RESPONSES)
+    shards = tmp_path / "responses"
+    shards.mkdir()
+    _write_jsonl(shards / "responses-00000.jsonl", MORE[:1])
+    _write_jsonl(shards / "responses-00001.jsonl.partial", MORE[1:2])  # being written: not a source yet
+    out = tmp_path / "tok"
+    first = tokenize_responses(tokenizer, [shipped, shards], out, max_length=512, shard_size=2)
+    assert first["num_sequences"] == 4 and first["parts"] == [0]
+    before = _sequences(TokenizedDataset(out))
+    stamps = {path.name: path.stat().st_mtime_ns for path in out.glob("shard-*")}
+
+    (shards / "responses-00001.jsonl.partial").rename(shards / "responses-00001.jsonl")  # the run moved on
+    _write_jsonl(shards / "responses-00002.jsonl", MORE[2:])
+    grown = tokenize_responses(tokenizer, [shipped, shards], out, max_length=512, shard_size=2)
+    assert grown["complete"] and grown["parts"] == [0, 2] and grown["num_sequences"] == 6
+    assert [shard["part"] for shard in grown["shards"]] == [0, 0, 0, 1]
+    after = _sequences(TokenizedDataset(out))
+    assert after[:4] == before  # sequence i stays sequence i
+    assert all(path.stat().st_mtime_ns == stamps[path.name] for path in out.glob("shard-*") if path.name in stamps)
+    fresh = tmp_path / "fresh"
+    tokenize_responses(tokenizer, [shipped, shards], fresh, max_length=512, shard_size=2)
+    assert _sequences(TokenizedDataset(fresh)) == after  # the same sequences as one call over every source
+
+    # killed while growing: the new part's shard is lost, the next call with the same sources makes it again
+    partial = dict(grown, complete=False, shards=grown["shards"][:3])
+    (out / "manifest.json").write_text(json.dumps(partial))
+    (out / "shard-00003.input_ids.npy").unlink()
+    assert tokenize_responses(tokenizer, [shipped, shards], out, max_length=512, shard_size=2) == grown
+
+    # a source that changed, or one left out, is refused before anything is written
+    _write_jsonl(shards / "responses-00000.jsonl", MORE[:2])
+    with pytest.raises(ValueError, match="not all among these, unchanged.*responses-00000.jsonl"):
+        tokenize_responses(tokenizer, [shipped, shards], out, max_length=512, shard_size=2)
+    with pytest.raises(ValueError, match="not all among these"):
+        tokenize_responses(tokenizer, [shards], out, max_length=512, shard_size=2)
+    assert json.loads((out / "manifest.json").read_text()) == grown
+
+
+def test_excluded_ids_leave_out_the_prompt_and_its_later_turns(tmp_path, tokenizer):
+    second_turn = {"id": "b-turn2", "prompt": "And to four?", "response": "One, two, three, four.", "finish": "eos",
+                   "history": ["Count to three.", "One, two, three, four, five"]}
+    source = _write_jsonl(tmp_path / "r.jsonl", RESPONSES + [second_turn] + MORE)
+    manifest = tokenize_responses(tokenizer, [source], tmp_path / "tok", max_length=512, exclude_ids={"b", "e"})
+    ids = json.loads((tmp_path / "tok" / "shard-00000.ids.json").read_text())
+    assert ids == ["a", "c", "f", "g"] and manifest["num_excluded"] == 3 and manifest["num_skipped"] == 1
+    assert manifest["exclude_ids"] == ["b", "e"]
+    with pytest.raises(ValueError, match=r"other settings \(\['exclude_ids'\] differ\)"):
+        tokenize_responses(tokenizer, [source], tmp_path / "tok", max_length=512)
+    with pytest.raises(ValueError, match=r"other settings \(\['exclude_ids'\] differ\)"):
+        tokenize_responses(tokenizer, [source], tmp_path / "tok", max_length=512, exclude_ids={"b"})
+
+
 def test_generated_token_ids_are_used_when_present(tmp_path, tokenizer):
     exact = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
     non_canonical = tokenizer.convert_tokens_to_ids(list("Hello"))  # one token per letter, as a model might emit

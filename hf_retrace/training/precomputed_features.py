@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -40,6 +41,7 @@ __all__ = [
     "precompute_features",
     "precompute_topk",
     "STORE_MAKERS",
+    "store_fits",
     "store_kind",
     "target_topk",
 ]
@@ -92,28 +94,65 @@ def _feature_settings(target: nn.Module, dataset: Any, target_layer_ids: Sequenc
     }
 
 
-def _resumed_manifest(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """A fresh manifest, the existing one's shards still on disk, or the existing one when complete.
+def _tokens_digest(dataset: Any, start: int, end: int) -> str:
+    """A digest of the token ids of sequences ``start .. end - 1``: which sequences a shard's features belong to."""
+    digest = hashlib.sha1()
+    for index in range(start, end):
+        digest.update(np.asarray(dataset[index]["input_ids"], dtype=np.int64).tobytes())
+        digest.update(b"|")
+    return digest.hexdigest()
 
-    Settings that differ from an existing ``features.json`` are a ``ValueError``."""
+
+def store_fits(store: dict[str, Any], dataset: Any) -> str | None:
+    """None when ``store`` (a ``features.json``) was computed for ``dataset``, or for its first sequences before it
+    grew (:func:`~hf_retrace.training.data.tokenize_responses` appends new sequences after the old ones); otherwise
+    what does not fit. Each shard's token ids are compared (stores written before shards kept a digest: their
+    sequence lengths)."""
+    lengths = dataset.sequence_lengths()
+    made_for = store.get("dataset", {})
+    n, tokens = made_for.get("num_sequences"), made_for.get("num_tokens")
+    if n is None or n > len(lengths) or int(lengths[:n].sum()) != tokens:
+        return (f"it was computed for {n} sequences of {tokens} tokens, which are not this dataset "
+                f"({len(lengths)} sequences, {int(lengths.sum())} tokens) nor its first sequences")
+    for shard in store.get("shards", []):
+        start, end = shard["start"], shard["end"]
+        same = (shard["digest"] == _tokens_digest(dataset, start, end) if "digest" in shard
+                else np.array_equal(np.diff(shard["offsets"]), lengths[start:end]))
+        if not same:
+            return f"its {shard['file']} holds other sequences than this dataset's {start}..{end - 1}"
+    return None
+
+
+def _resumed_manifest(out_dir: Path, settings: dict[str, Any], dataset: Any) -> dict[str, Any]:
+    """A fresh manifest, the existing one's shards still on disk (those of the same sequences: a dataset that grew
+    keeps them), or the existing one when complete for the same sequences.
+
+    Other settings, fewer sequences, or features of other data are a ``ValueError``."""
     manifest: dict[str, Any] = {**settings, "complete": False, "shards": []}
     if not (out_dir / FEATURES_MANIFEST).exists():
         return manifest
     existing = json.loads((out_dir / FEATURES_MANIFEST).read_text(encoding="utf-8"))
-    keys = ("target_layer_ids", "hidden_size", "feature_size", "dtype", "shard_sequences", "num_sequences")
+    keys = ("target_layer_ids", "hidden_size", "feature_size", "dtype", "shard_sequences")
     changed = [k for k in keys if existing.get(k) != settings[k]]
     if store_kind(existing) != settings["kind"]:
         changed.append("kind")
-    if existing.get("dataset", {}).get("num_tokens") != settings["dataset"]["num_tokens"]:
-        changed.append("dataset")
+    if existing.get("num_sequences", 0) > settings["num_sequences"]:
+        changed.append("num_sequences")
     if changed:
         raise ValueError(
             f"{out_dir} holds data made with other settings ({changed} differ). Use a new folder, "
             "or delete this one."
         )
-    if existing.get("complete"):
+    misfit = store_fits(existing, dataset)
+    if misfit:
+        raise ValueError(f"{out_dir} holds features of other data: {misfit}. Use a new folder, or delete this one.")
+    same = existing.get("num_sequences") == settings["num_sequences"] and all(
+        existing["dataset"].get(k) == settings["dataset"][k] for k in ("num_sequences", "num_tokens"))
+    if existing.get("complete") and same:
         return existing
-    manifest["shards"] = [s for s in existing["shards"] if (out_dir / s["file"]).exists()]
+    total, step = settings["num_sequences"], settings["shard_sequences"]
+    manifest["shards"] = [s for s in existing["shards"]  # a last, shorter shard of fewer sequences is made again
+                          if s["end"] == min(s["start"] + step, total) and (out_dir / s["file"]).exists()]
     return manifest
 
 
@@ -173,7 +212,9 @@ def precompute_features(
     ``input_ids``). Shard ``k`` covers sequences ``k*shard_sequences ..``; inside a shard, sequences are batched by
     length (right padding, at most ``max_batch_tokens`` padded tokens per forward). ``storage_dtype`` defaults to
     the target's dtype (bf16 stays bit-exact). ``limit`` stores only the first ``limit`` sequences.
-    Settings that differ from an existing ``features.json`` raise a ``ValueError``.
+    Settings that differ from an existing ``features.json`` raise a ``ValueError``. A folder made for a dataset
+    that has grown since (new sequences after the old ones, as ``tokenize_responses`` appends them), or with a
+    smaller ``limit``, keeps its shards and computes the rest.
     """
     storage_dtype = storage_dtype or next(target.parameters()).dtype
     total = _total(dataset, limit)
@@ -233,7 +274,7 @@ def _precompute(target: nn.Module, dataset: Any, out_dir: Path, settings: dict[s
 
     lengths = dataset.sequence_lengths()
     total, shard_sequences = settings["num_sequences"], settings["shard_sequences"]
-    manifest = _resumed_manifest(out_dir, settings)
+    manifest = _resumed_manifest(out_dir, settings, dataset)
     if manifest["complete"]:
         return manifest
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -260,7 +301,8 @@ def _precompute(target: nn.Module, dataset: Any, out_dir: Path, settings: dict[s
         offsets = _write_feature_shard(compute, device, settings["feature_size"], dataset, storage_dtype,
                                        out_dir / file, start, lengths[start:end].astype(np.int64), max_batch_tokens,
                                        report)
-        manifest["shards"].append({"file": file, "start": start, "end": end, "offsets": offsets.tolist()})
+        manifest["shards"].append({"file": file, "start": start, "end": end, "offsets": offsets.tolist(),
+                                   "digest": _tokens_digest(dataset, start, end)})
         manifest["shards"].sort(key=lambda s: s["start"])
         _write_manifest(out_dir, manifest)
     bar.close()

@@ -20,8 +20,8 @@ from typing import Any
 
 from ...tuning.records import RECORDS_FILENAME
 from ..checkpoints import CHECKPOINTS, DRAFTER_INIT, RUN_SETTINGS, checkpoint_problem, step_checkpoints
-from ..data import validate_prompt_file
-from ..precomputed_features import STORE_MAKERS, covered_sequences, features_manifest, store_kind
+from ..data import TokenizedDataset, validate_prompt_file
+from ..precomputed_features import STORE_MAKERS, covered_sequences, features_manifest, store_fits, store_kind
 from ..trainer import LOG_FILE
 
 __all__ = [
@@ -209,7 +209,7 @@ def validate_train_args(args: argparse.Namespace) -> dict[str, Any]:
         if _held_out_folder(Path(args.eval_prompts)):
             print("[hf-retrace] note: evaluating tau on held-out benchmark prompts (fine for eval, never for "
                   "training).", file=sys.stderr)
-    _check_features_dir(args.features_dir, manifest)
+    _check_features_dir(args.features_dir, args.data)
     _check_distillation(args, manifest)
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -291,22 +291,23 @@ def _check_drafter_flags(args: argparse.Namespace) -> None:
         parse_ids(args.copy_target_layers)
 
 
-def _check_features_dir(features_dir: str | None, manifest: dict[str, Any]) -> None:
+def _check_features_dir(features_dir: str | None, data: str) -> None:
     if not features_dir:
         return
     existing = features_manifest(features_dir)
     if existing is not None:
-        _check_store(existing, "--features-dir", features_dir, "hidden", manifest)
+        _check_store(existing, "--features-dir", features_dir, "hidden", data)
 
 
-def _check_store(store: dict[str, Any], flag: str, folder: str, kind: str, manifest: dict[str, Any]) -> None:
-    """A precomputed store of the expected kind, made for the same tokenized data."""
+def _check_store(store: dict[str, Any], flag: str, folder: str, kind: str, data: str) -> None:
+    """A precomputed store of the expected kind, made for the tokenized data ``data`` (or its first sequences,
+    before it grew)."""
     if store_kind(store) != kind:
         raise usage_error(f"{flag} {folder} holds what `{STORE_MAKERS[store_kind(store)]}` writes; {flag} takes a "
                           f"folder of `{STORE_MAKERS[kind]}`.")
-    if store.get("dataset", {}).get("num_tokens") != manifest.get("num_tokens"):
-        raise usage_error(f"{flag} {folder} was computed for another dataset ({store.get('dataset')}); use a new "
-                          "folder.")
+    misfit = store_fits(store, TokenizedDataset(data))
+    if misfit:
+        raise usage_error(f"{flag} {folder} does not belong to --data {data}: {misfit}. Use a new folder.")
 
 
 def _check_distillation(args: argparse.Namespace, manifest: dict[str, Any]) -> None:
@@ -326,7 +327,7 @@ def _check_distillation(args: argparse.Namespace, manifest: dict[str, Any]) -> N
     store = features_manifest(args.topk_dir)
     if store is None:
         raise usage_error(f"--topk-dir {args.topk_dir}: no features.json; make it with `hf-retrace data topk`.")
-    _check_store(store, "--topk-dir", args.topk_dir, "topk", manifest)
+    _check_store(store, "--topk-dir", args.topk_dir, "topk", args.data)
     total = int(manifest.get("num_sequences", 0))
     needed = min(args.max_sequences or total, total) - args.holdout
     covered = covered_sequences(store)

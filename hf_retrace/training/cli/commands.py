@@ -106,13 +106,24 @@ def _generate(args: argparse.Namespace) -> int:
 def _tokenize(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
-    missing = [p for p in args.responses if not Path(p).exists()]
-    if missing:
-        raise usage_error(f"--responses: not found: {missing}")
+    for flag, paths in (("--responses", args.responses), ("--exclude-ids", args.exclude_ids)):
+        missing = [p for p in paths if not Path(p).exists()]
+        if missing:
+            raise usage_error(f"{flag}: not found: {missing}")
+    try:
+        excluded = {prompt.id for path in args.exclude_ids for prompt in read_prompts(path)}
+    except ValueError as error:
+        raise usage_error(f"--exclude-ids: {error}") from None
     tokenizer = AutoTokenizer.from_pretrained(resolve_target(args.target))
-    manifest = tokenize_responses(tokenizer, args.responses, args.out, max_length=args.max_length)
+    try:  # --out holding other data (said before anything is written), or a record that is not a response
+        manifest = tokenize_responses(tokenizer, args.responses, args.out, max_length=args.max_length,
+                                      exclude_ids=excluded)
+    except ValueError as error:
+        raise usage_error(str(error)) from None
+    parts = len(manifest.get("parts", [0]))
     print(f"[hf-retrace] {manifest['num_sequences']} sequences, {manifest['num_tokens']} tokens "
-          f"({manifest['num_response_tokens']} response tokens) in {args.out}")
+          f"({manifest['num_response_tokens']} response tokens; {manifest.get('num_excluded', 0)} excluded by id) in "
+          f"{args.out}" + (f" ({parts} parts: it grew by new sources)" if parts > 1 else ""))
     return 0
 
 
@@ -122,8 +133,12 @@ def _precompute(args: argparse.Namespace) -> int:
     layers = parse_ids(args.target_layer_ids) or build_target_layer_ids(
         target.config.get_text_config().num_hidden_layers, args.num_target_features)
     storage = torch_dtype(args.storage_dtype) if args.storage_dtype else None
-    manifest = precompute_features(target, TokenizedDataset(args.data), args.out, layers,
-                                   max_batch_tokens=args.max_batch_tokens, limit=args.limit, storage_dtype=storage)
+    try:  # --out holding another store, other settings or features of other data: nothing was written
+        manifest = precompute_features(target, TokenizedDataset(args.data), args.out, layers,
+                                       max_batch_tokens=args.max_batch_tokens, limit=args.limit,
+                                       storage_dtype=storage)
+    except ValueError as exc:
+        raise usage_error(str(exc)) from None
     print(f"[hf-retrace] features of {manifest['num_sequences']} sequences (layers {layers}) in {args.out}")
     return 0
 

@@ -168,10 +168,9 @@ def _feature_source(args: argparse.Namespace, target: Any, drafter: ReTraceDraft
     if fm is not None and fm.get("target_layer_ids") != layer_ids:
         raise usage_error(f"--features-dir holds target layers {fm.get('target_layer_ids')} but the drafter reads "
                           f"{layer_ids}; use a new folder.")
-    partial_ok = fm is not None and covered_sequences(fm) >= num
-    if fm is None or not (fm.get("complete") or partial_ok):
+    if fm is None or covered_sequences(fm) < num:  # none yet, stopped short, or made before the data grew
         precompute_features(target, sequences, args.features_dir, layer_ids, progress=not args.no_progress)
-    features = PrecomputedFeatures(args.features_dir, allow_partial=partial_ok)
+    features = PrecomputedFeatures(args.features_dir, allow_partial=True)
     return features, None, f"precomputed ({args.features_dir}, {len(features)} sequences covered)"
 
 

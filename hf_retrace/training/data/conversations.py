@@ -32,6 +32,11 @@ SECOND_TURN_SUFFIX = "-turn2"
 _BETWEEN_ITEMS = re.compile(r"[\s,]*")
 
 
+def first_turn_id(record_id: str) -> str:
+    """The id of the conversation's first turn: a second turn's id without its ``-turn2``; any other id as is."""
+    return record_id[: -len(SECOND_TURN_SUFFIX)] if record_id.endswith(SECOND_TURN_SUFFIX) else record_id
+
+
 @dataclass(frozen=True)
 class ConversationTurns:
     """The first two user turns of a conversation (the assistant's answer between them is not kept)."""

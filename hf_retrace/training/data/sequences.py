@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from .chat_template import end_of_turn_token_id, prompt_token_ids
+from .conversations import first_turn_id
 from .response_shards import read_responses, response_shards
 
 _MANIFEST = "manifest.json"
@@ -89,13 +90,13 @@ def _write_shard(
 
 
 def _tokenization_settings(
-    tokenizer: Any, paths: Sequence[Path], max_length: int, shard_size: int
+    tokenizer: Any, paths: Sequence[Path], max_length: int, shard_size: int, exclude_ids: Iterable[str] = ()
 ) -> dict[str, Any]:
     sources = []
     for path in paths:
         files = response_shards(path) if path.is_dir() else [path]
         sources += [{"path": str(file.resolve()), "bytes": file.stat().st_size} for file in files]
-    return {
+    settings = {
         "tokenizer": str(getattr(tokenizer, "name_or_path", type(tokenizer).__name__)),
         "vocab_size": len(tokenizer),
         "end_of_turn_token_id": end_of_turn_token_id(tokenizer),
@@ -103,6 +104,8 @@ def _tokenization_settings(
         "shard_size": shard_size,
         "sources": sources,
     }
+    excluded = sorted(set(map(str, exclude_ids)))
+    return {**settings, "exclude_ids": excluded} if excluded else settings  # folders made before the key still match
 
 
 def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
@@ -123,34 +126,63 @@ def _chunks(records: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[
 
 
 def _resumed_manifest(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
-    """The manifest to continue: a fresh one, the existing one's complete shards, or the existing one when complete.
+    """The manifest to continue: a fresh one, the existing one's complete shards, the existing one when complete, or
+    the existing one grown by a new part when ``settings`` lists its sources and more after them.
 
-    Settings that differ from an existing manifest are a ``ValueError``."""
-    manifest: dict[str, Any] = {**settings, "complete": False, "shards": []}
+    Other settings, or sources that are not the existing ones followed by new ones, are a ``ValueError``."""
+    manifest: dict[str, Any] = {**settings, "complete": False, "shards": [], "parts": [0]}
     if not (out_dir / _MANIFEST).exists():
         return manifest
     existing = json.loads((out_dir / _MANIFEST).read_text(encoding="utf-8"))
-    changed = [key for key in settings if existing.get(key) != settings[key]]
+    changed = [key for key in settings if key != "sources" and existing.get(key) != settings[key]]
+    changed += [key for key in ("exclude_ids",) if key in existing and key not in settings]
     if changed:
         raise ValueError(
             f"{out_dir} already holds sequences made with other settings ({changed} differ). "
             "Use a new output folder, or delete this one to re-tokenize."
         )
-    if existing.get("complete"):
+    old, new = existing.get("sources", []), settings["sources"]
+    if new[: len(old)] != old:
+        gone = [f"{s['path']} ({s['bytes']} bytes)" for s in old if s not in new]
+        raise ValueError(
+            f"{out_dir} was tokenized from sources that are not all among these, unchanged: {gone}. A folder grows "
+            "only by new sources after its own (the same files first, not rewritten); use a new output folder."
+        )
+    parts = existing.get("parts", [0])  # the first source of each call that brought new sources
+    shards = existing["shards"]
+    if not existing.get("complete"):
+        shards = [s for s in shards if all((out_dir / f"{s['name']}.{a}.npy").exists() for a in _SHARD_ARRAYS)]
+    elif len(new) == len(old):
         return existing
-    manifest["shards"] = [
-        shard for shard in existing["shards"]
-        if all((out_dir / f"{shard['name']}.{array}.npy").exists() for array in _SHARD_ARRAYS)
-    ]
-    return manifest
+    return {**existing, **settings, "complete": False, "shards": shards,
+            "parts": parts + ([len(old)] if len(new) > len(old) else [])}
+
+
+def _part_files(manifest: dict[str, Any]) -> Iterator[tuple[int, list[Path]]]:
+    """``(part, source files)`` of each part, in order."""
+    files = [Path(source["path"]) for source in manifest["sources"]]
+    bounds = list(manifest["parts"]) + [len(files)]
+    for part in range(len(manifest["parts"])):
+        yield part, files[bounds[part] : bounds[part + 1]]
+
+
+def _excluded(record: dict[str, Any], exclude_ids: set[str]) -> bool:
+    """A record whose id, or whose conversation's first turn, is in ``exclude_ids`` (an excluded prompt takes its
+    later turns with it)."""
+    record_id = str(record.get("id", ""))
+    return record_id in exclude_ids or first_turn_id(record_id) in exclude_ids
 
 
 def _tokenize_chunk(
-    tokenizer: Any, chunk: Sequence[dict[str, Any]], max_length: int, end_of_turn_id: int
-) -> tuple[list[tuple[list[int], list[int]]], list[str], int]:
-    """The sequences of one shard's records, their ids, and how many records left nothing to train on."""
-    sequences, ids, num_skipped = [], [], 0
+    tokenizer: Any, chunk: Sequence[dict[str, Any]], max_length: int, end_of_turn_id: int, exclude_ids: set[str]
+) -> tuple[list[tuple[list[int], list[int]]], list[str], int, int]:
+    """The sequences of one shard's records, their ids, how many records left nothing to train on, and how many
+    were excluded."""
+    sequences, ids, num_skipped, num_excluded = [], [], 0, 0
     for record in chunk:
+        if _excluded(record, exclude_ids):
+            num_excluded += 1
+            continue
         sequence = build_sequence(
             tokenizer, record["prompt"], record["response"], record["finish"],
             max_length=max_length, end_of_turn_id=end_of_turn_id, response_ids=record.get("response_ids"),
@@ -161,7 +193,7 @@ def _tokenize_chunk(
             continue
         sequences.append(sequence)
         ids.append(str(record.get("id", "")))
-    return sequences, ids, num_skipped
+    return sequences, ids, num_skipped, num_excluded
 
 
 def tokenize_responses(
@@ -171,17 +203,23 @@ def tokenize_responses(
     *,
     max_length: int = 1024,
     shard_size: int = 8192,
+    exclude_ids: Iterable[str] = (),
 ) -> dict[str, Any]:
     """Turn response records into training sequences stored as memory-mappable shards; return the manifest.
 
     Inputs are JSONL files or directories written by :func:`generate_responses` (records ``{id, prompt, response,
     finish}``; a record's ``response_ids``, when present, are used instead of re-tokenizing ``response``, and its
-    ``history`` is rendered before ``prompt``, masked like it). Shard
-    ``k`` holds the sequences of source records ``k*shard_size ... (k+1)*shard_size - 1``:
-    ``shard-0000k.input_ids.npy`` (int32, flat), ``.loss_mask.npy`` (uint8, flat), ``.offsets.npy`` (int64,
-    ``num_sequences + 1``) and ``.ids.json``. ``manifest.json`` holds the settings, the per-shard counts and the
-    totals; it is rewritten after each shard, so a second call resumes after the last complete shard, and returns
-    at once when ``complete`` is true. Settings that differ from an existing manifest are a ``ValueError``.
+    ``history`` is rendered before ``prompt``, masked like it). Records whose id is in ``exclude_ids`` (prompts kept
+    for evaluation), or whose conversation's first turn is, are left out and counted (``num_excluded``). Shard
+    ``k`` holds the sequences of ``shard_size`` consecutive source records: ``shard-0000k.input_ids.npy`` (int32,
+    flat), ``.loss_mask.npy`` (uint8, flat), ``.offsets.npy`` (int64, ``num_sequences + 1``) and ``.ids.json``.
+    ``manifest.json`` holds the settings, the per-shard counts and the totals; it is rewritten after each shard, so a
+    second call resumes after the last complete shard, and returns at once when ``complete`` is true.
+
+    A folder grows: a later call whose sources are this folder's sources (unchanged) followed by new ones
+    (e.g. a shard folder where a generation run has finished more shards since) tokenizes only the new ones, into
+    new shards after the existing ones (a new *part*, recorded in ``parts``), so sequence ``i`` stays sequence ``i``
+    and features computed for the first sequences stay valid. Other settings are a ``ValueError``.
 
     Example::
 
@@ -191,20 +229,26 @@ def tokenize_responses(
 
     out_dir = Path(out_dir)
     paths = [Path(path) for path in responses_jsonl_paths]
-    settings = _tokenization_settings(tokenizer, paths, max_length, shard_size)
+    settings = _tokenization_settings(tokenizer, paths, max_length, shard_size, exclude_ids)
     manifest = _resumed_manifest(out_dir, settings)
     if manifest["complete"]:
         return manifest
     out_dir.mkdir(parents=True, exist_ok=True)
-    done_shards = len(manifest["shards"])
-    for index, chunk in enumerate(tqdm(_chunks(read_responses(paths), shard_size), desc="tokenize", unit="shard")):
-        if index < done_shards:
-            continue
-        sequences, ids, num_skipped = _tokenize_chunk(tokenizer, chunk, max_length, settings["end_of_turn_token_id"])
-        manifest["shards"].append(_write_shard(_shard_stem(out_dir, index), sequences, ids, num_skipped))
-        _write_manifest(out_dir, manifest)
-    for total in ("num_sequences", "num_tokens", "num_response_tokens", "num_skipped"):
-        manifest[total] = sum(shard[total] for shard in manifest["shards"])
+    excluded = set(settings.get("exclude_ids", ()))
+    for part, files in _part_files(manifest):
+        done = sum(1 for shard in manifest["shards"] if shard.get("part", 0) == part)
+        chunks = _chunks(read_responses(files), shard_size)
+        for local, chunk in enumerate(tqdm(chunks, desc=f"tokenize (part {part})", unit="shard")):
+            if local < done:
+                continue
+            sequences, ids, num_skipped, num_excluded = _tokenize_chunk(
+                tokenizer, chunk, max_length, settings["end_of_turn_token_id"], excluded)
+            stem = _shard_stem(out_dir, len(manifest["shards"]))
+            shard = _write_shard(stem, sequences, ids, num_skipped)
+            manifest["shards"].append({**shard, "num_excluded": num_excluded, "part": part})
+            _write_manifest(out_dir, manifest)
+    for total in ("num_sequences", "num_tokens", "num_response_tokens", "num_skipped", "num_excluded"):
+        manifest[total] = sum(shard.get(total, 0) for shard in manifest["shards"])
     manifest["complete"] = True
     _write_manifest(out_dir, manifest)
     return manifest
