@@ -18,6 +18,7 @@ from hf_retrace.training.data import (
     prompt_token_ids,
     read_prompts,
     read_responses,
+    records_token_ids,
     split_matches_full_render,
     tokenize_responses,
 )
@@ -104,6 +105,23 @@ def test_a_two_turn_prompt_renders_the_full_conversation(tokenizer):
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert ids == tokenizer(expected, add_special_tokens=False)["input_ids"]
     assert split_matches_full_render(tokenizer, "And times 4?", "20.", history)
+
+
+def test_eval_and_calibration_prompts_keep_a_second_turns_history(tmp_path, tokenizer):
+    """`train --eval-prompts` and `calibrate --prompts` ask a second turn after its first turn and answer."""
+    from types import SimpleNamespace
+
+    from hf_retrace.training.cli.commands import _calibration_prompts
+    from hf_retrace.training.cli.train_command import _eval_prompt_ids
+
+    path = tmp_path / "p.jsonl"
+    write_jsonl([{"id": "x-turn2", "turns": ["What is 2 + 3?", "And times 4?"], "answers": ["2 + 3 = 5."]},
+                 {"id": "y", "prompt": "Hi"}], path)
+    expected = [prompt_token_ids(tokenizer, ["And times 4?"], [("What is 2 + 3?", "2 + 3 = 5.")])[0],
+                prompt_token_ids(tokenizer, ["Hi"])[0]]
+    assert records_token_ids(tokenizer, read_prompts(path)) == expected
+    assert _eval_prompt_ids(SimpleNamespace(eval_prompts=str(path)), tokenizer, None, []) == expected
+    assert _calibration_prompts(SimpleNamespace(prompts=str(path), limit=None), tokenizer, None) == expected
 
 
 @pytest.fixture(scope="module")

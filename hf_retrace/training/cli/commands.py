@@ -33,7 +33,7 @@ from .arguments import (
 )
 from ..calibrate import record_round_records
 from .checks import check_calibration_args, check_prompt_file, parse_ids, require_tokenized, usage_error
-from ..data import TokenizedDataset, generate_responses, prompt_token_ids, read_prompts, tokenize_responses
+from ..data import TokenizedDataset, generate_responses, read_prompts, records_token_ids, tokenize_responses
 from ..data.recipes import PROMPT_RECIPES
 from ..evaluation import sequence_prompt_ids
 from ..precomputed_features import precompute_features, precompute_topk
@@ -187,7 +187,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _calibration_prompts(args: argparse.Namespace, tokenizer: Any, sequences: tuple[int, int] | None):
     if sequences is None:
-        return prompt_token_ids(tokenizer, [p.prompt for p in read_prompts(args.prompts, limit=args.limit)])
+        return records_token_ids(tokenizer, read_prompts(args.prompts, limit=args.limit))
     start, end = sequences
     dataset = TokenizedDataset(args.data)
     if not 0 <= start < end <= len(dataset):

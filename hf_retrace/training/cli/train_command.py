@@ -33,7 +33,7 @@ from .checks import (
     validate_train_args,
 )
 from ..checkpoints import DRAFTER_INIT
-from ..data import TokenizedDataset, prompt_token_ids, read_prompts
+from ..data import TokenizedDataset, read_prompts, records_token_ids
 from ..drafter_init import (
     check_drafter_matches_target,
     copy_target_layers,
@@ -177,7 +177,7 @@ def _feature_source(args: argparse.Namespace, target: Any, drafter: ReTraceDraft
 def _eval_prompt_ids(args: argparse.Namespace, tokenizer: Any, dataset: TokenizedDataset,
                      holdout_indices: list[int]) -> list[list[int]]:
     if args.eval_prompts:
-        return prompt_token_ids(tokenizer, [p.prompt for p in read_prompts(args.eval_prompts)])
+        return records_token_ids(tokenizer, read_prompts(args.eval_prompts))
     return sequence_prompt_ids(dataset, holdout_indices)
 
 

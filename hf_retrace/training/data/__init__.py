@@ -21,7 +21,7 @@ Example::
 """
 
 from .chat_template import end_of_turn_token_id, prompt_token_ids, render_prompt, split_matches_full_render
-from .prompts import ID_FIELDS, PROMPT_FIELDS, PromptRecord, read_prompts, validate_prompt_file
+from .prompts import ID_FIELDS, PROMPT_FIELDS, PromptRecord, read_prompts, records_token_ids, validate_prompt_file
 from .response_shards import RESPONSE_FIELDS, RESPONSE_SHARD_GLOB, read_responses, response_shards
 from .responses import GenerationSummary, generate_responses
 from .sequences import TokenizedDataset, build_sequence, tokenize_responses
@@ -40,6 +40,7 @@ __all__ = [
     "prompt_token_ids",
     "read_prompts",
     "read_responses",
+    "records_token_ids",
     "render_prompt",
     "response_shards",
     "split_matches_full_render",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...chat import prompt_token_ids
 from ...jsonl import iter_jsonl
 
 PROMPT_FIELDS: tuple[str, ...] = ("prompt", "question", "problem", "turns", "messages", "conversations")
@@ -78,6 +79,11 @@ def _answered_turns(record: Mapping[str, Any], where: str) -> tuple[str, tuple[s
         )
     history = tuple(text for pair in zip(turns, answers) for text in pair)
     return turns[len(answers)], history
+
+
+def records_token_ids(tokenizer: Any, records: Sequence[PromptRecord]) -> list[list[int]]:
+    """The chat prompt's token ids of each record, its earlier turns (``history``) rendered before it."""
+    return prompt_token_ids(tokenizer, [record.prompt for record in records], [record.history for record in records])
 
 
 def _record_id(record: Mapping[str, Any], fallback: str) -> str:

@@ -22,8 +22,8 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from ...generation.target_features import cache_kwargs
-from .chat_template import end_of_turn_token_id, prompt_token_ids
-from .prompts import PromptRecord
+from .chat_template import end_of_turn_token_id
+from .prompts import PromptRecord, records_token_ids
 from .response_shards import ResponseShardWriter, response_shards
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,7 @@ def generate_responses(
     from tqdm.auto import tqdm
 
     writer = ResponseShardWriter(Path(out_dir), shard_size)
-    token_ids = prompt_token_ids(tokenizer, [p.prompt for p in prompts], [p.history for p in prompts])
+    token_ids = records_token_ids(tokenizer, prompts)
     too_long = {index for index, ids in enumerate(token_ids) if len(ids) > max_prompt_tokens}
     if too_long:
         logger.warning("Skipping %d prompts longer than %d tokens.", len(too_long), max_prompt_tokens)
