@@ -9,6 +9,16 @@
 # outside the work tree. Steps: tokenize | features | backbone | export | calibrate | all, continue (the shipped
 # drafter fine-tuned further; then export and calibrate with the same RUN), and retrace (the ReTrace
 # module on the shipped, frozen backbone: docs/retrace/retrace-vs-backbone.md; not part of `all`, it ships off).
+#
+# The breadth drafter (issue 22: code and second turns beside math and first turns), on the answers of
+# examples/make_drafter_data.sh in $HF_RETRACE_DATA (default ~/.cache/hf_retrace_data):
+#   breadth-data      tokenize the shipped answers, then the new ones, leaving out the prompts rounds are recorded
+#                     on (round-record-prompts.jsonl, examples/round_record_prompts.py --prompts-dir); run it again
+#                     as more answers arrive: the folder grows and the features keep their shards
+#   breadth-continue  the shipped drafter fine-tuned on all of it (RUN=$RUNS/breadth-continue)
+#   breadth-scratch   the same shape from scratch, the same steps (RUN=$RUNS/breadth-scratch)
+# Both evaluate tau on the round-record prompts (every kind) as they train; compare them at equal minutes with
+# `python examples/plot_learning_curve.py RUN_A/train_log.jsonl RUN_B/train_log.jsonl --label continue scratch --x minutes`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STEP=${1:-all}
@@ -18,6 +28,9 @@ TOK=$RUNS/tok
 FEATS=$RUNS/feats5
 RUN=${RUN:-$RUNS/b8-l1-v8960}
 SEQUENCES=${SEQUENCES:-2048}   # sequences trained on (the features of the first ones are enough to start)
+DATA=${HF_RETRACE_DATA:-$HOME/.cache/hf_retrace_data}
+BTOK=$RUNS/tok-breadth
+BFEATS=$RUNS/feats-breadth
 mkdir -p "$RUNS"
 
 tokenize() {
@@ -73,7 +86,28 @@ retrace() {
       --target-dtype float32 --save-dtype bfloat16 --eval-every 280 --eval-limit 6 --eval-max-new-tokens 64 \
       --save-every 40 --keep-checkpoints 2 "$@"
 }
+breadth_data() {
+  : "${HF_RETRACE_TARGET_ANSWERS:?set it to the JSONL of the shipped answers of the target}"
+  hf-retrace data tokenize --target default --responses "$HF_RETRACE_TARGET_ANSWERS" "$DATA/responses" --out "$BTOK" \
+      --max-length 1024 --exclude-ids "$DATA/round-record-prompts.jsonl"
+  hf-retrace data features --target default --data "$BTOK" --out "$BFEATS" --target-layer-ids 1,8,14,20,27 \
+      --dtype float32 --storage-dtype bfloat16 --max-batch-tokens 4096 "$@"
+}
+breadth_run() {  # breadth_run RUN_NAME FLAGS...: the settings both runs share
+  local name=$1
+  shift
+  hf-retrace train --stage backbone --target default --data "$BTOK" --features-dir "$BFEATS" --out "$RUNS/$name" \
+      --resume --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 --warmup-ratio 0.02 \
+      --epochs "${EPOCHS:-2}" --num-threads 2 --target-dtype bfloat16 --save-dtype bfloat16 \
+      --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every 1000 --eval-limit 12 --eval-max-new-tokens 64 \
+      --save-every 200 --keep-checkpoints 2 "$@"
+}
 case "$STEP" in
+  breadth-data) breadth_data "$@" ;;
+  breadth-continue) breadth_run breadth-continue --init-from hf_retrace/default_drafter --lr "${LR:-6e-4}" \
+      --seed 1 "$@" ;;
+  breadth-scratch) breadth_run breadth-scratch --block-size 8 --num-layers 1 --target-layer-ids 1,8,14,20,27 \
+      --draft-vocab-size 8960 --lr "${LR:-1e-3}" --seed 0 "$@" ;;
   tokenize) tokenize ;;
   features) features "$@" ;;
   backbone) backbone "$@" ;;
@@ -82,5 +116,6 @@ case "$STEP" in
   calibrate) calibrate "$@" ;;
   retrace) retrace "$@" ;;
   all) tokenize; features --limit "$SEQUENCES"; backbone "$@"; export_run; calibrate ;;
-  *) echo "unknown step $STEP (tokenize | features | backbone | continue | export | calibrate | all | retrace)" >&2; exit 2 ;;
+  *) echo "unknown step $STEP (tokenize | features | backbone | continue | export | calibrate | all | retrace |" \
+          "breadth-data | breadth-continue | breadth-scratch)" >&2; exit 2 ;;
 esac
