@@ -22,6 +22,8 @@ import dataclasses
 import json
 import math
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,7 +38,25 @@ from .checkpoints import latest_checkpoint, read_checkpoint, save_in_dtype, trun
 from .features import collate_sequences
 from .objective import tau_proxy
 
-__all__ = ["Trainer", "TrainingArguments", "backbone_parameters", "retrace_parameters"]
+__all__ = ["Trainer", "TrainingArguments", "backbone_parameters", "exit_if_still_running", "retrace_parameters"]
+
+TEARDOWN_TIMEOUT_S = 60.0  # seconds a multi-process teardown may take before the process leaves without it
+
+
+def exit_if_still_running(call: Callable[[], Any], seconds: float, warning: str) -> None:
+    """Run ``call``; if it has not returned after ``seconds``, print ``warning`` to stderr and end the process
+    (``os._exit(0)``: only for the last act of a process, once everything is written and flushed)."""
+    returned = threading.Event()
+
+    def watchdog() -> None:
+        if not returned.wait(seconds):
+            sys.stdout.flush()
+            print(warning, file=sys.stderr, flush=True)
+            os._exit(0)
+
+    threading.Thread(target=watchdog, name="teardown-watchdog", daemon=True).start()
+    call()
+    returned.set()
 
 LOG_FILE = "train_log.jsonl"
 ADAMW_BETAS = (0.9, 0.95)
@@ -372,11 +392,20 @@ class Trainer:
         acc_all = float(per_slot[0].sum() / per_slot[1].sum().clamp_min(1))
         return float(totals[0]) / acc.num_processes, acc_all, acc_slot
 
-    def finish(self) -> None:
+    def finish(self, teardown_timeout: float | None = TEARDOWN_TIMEOUT_S) -> None:
         """Wait for every process, then tear the process group down: a process that left while another still held
-        a gloo connection aborted (``terminate called without an active exception``)."""
+        a gloo connection aborted (``terminate called without an active exception``).
+
+        Call it last: with several processes, a teardown still running after ``teardown_timeout`` seconds (gloo's
+        ``destroy_process_group`` now and then never returns: pytorch/pytorch#75097) ends this process with exit
+        status 0 and a warning, instead of a run whose every output is written hanging forever. ``None`` waits."""
         self.accelerator.wait_for_everyone()
-        self.accelerator.end_training()
+        if self.accelerator.num_processes == 1 or teardown_timeout is None:
+            self.accelerator.end_training()
+            return
+        exit_if_still_running(self.accelerator.end_training, teardown_timeout,
+                              "[hf-retrace] warning: the process group's teardown hung (pytorch/pytorch#75097) after "
+                              "every output was written; this process exits now.")
 
     def unwrapped_drafter(self) -> nn.Module:
         return self.accelerator.unwrap_model(self.model).drafter
