@@ -17,7 +17,9 @@
 #                     as more answers arrive: the folder grows and the features keep their shards
 #   breadth-continue  the shipped drafter fine-tuned on all of it (RUN=$RUNS/breadth-continue)
 #   breadth-scratch   the same shape from scratch, the same steps (RUN=$RUNS/breadth-scratch)
-# Both evaluate tau on the round-record prompts (every kind) as they train; compare them at equal minutes with
+# Both evaluate tau on the round-record prompts (every kind) as they train. Run them one after the other with both
+# cores, or side by side with THREADS=1 each (the same machine share for both: equal minutes are equal conditions);
+# compare them at equal minutes with
 # `python examples/plot_learning_curve.py RUN_A/train_log.jsonl RUN_B/train_log.jsonl --label continue scratch --x minutes`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -98,7 +100,7 @@ breadth_run() {  # breadth_run RUN_NAME FLAGS...: the settings both runs share
   shift
   hf-retrace train --stage backbone --target default --data "$BTOK" --features-dir "$BFEATS" --out "$RUNS/$name" \
       --resume --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 --warmup-ratio 0.02 \
-      --epochs "${EPOCHS:-2}" --num-threads 2 --target-dtype bfloat16 --save-dtype bfloat16 \
+      --epochs "${EPOCHS:-2}" --num-threads "${THREADS:-2}" --target-dtype bfloat16 --save-dtype bfloat16 \
       --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every 1000 --eval-limit 12 --eval-max-new-tokens 64 \
       --save-every 200 --keep-checkpoints 2 "$@"
 }
