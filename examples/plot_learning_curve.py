@@ -15,16 +15,15 @@ from pathlib import Path
 
 
 def curve(run_dir: Path) -> list[dict]:
-    points, tokens, proxy = [], 0, None
+    points, tokens, proxy, seconds = [], 0, None, None
     for line in (run_dir / "train_log.jsonl").read_text().splitlines():
         try:
             row = json.loads(line)
         except json.JSONDecodeError:  # a torn last line of a killed run
             continue
-        if "tokens" in row and "loss" in row:
-            tokens = row["tokens"]  # cumulative
+        if "tokens" in row:  # cumulative; step 0 (the evaluation before training) has no loss
+            tokens, seconds = row["tokens"], row.get("seconds")
             proxy = row.get("tau_proxy", proxy)
-            seconds = row.get("seconds")
         if "tau" in row:
             points.append({"step": row["step"], "tokens_seen": tokens,
                            "minutes": round(seconds / 60, 1) if seconds is not None else None,

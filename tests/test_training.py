@@ -384,11 +384,17 @@ def test_end_to_end_lowers_loss_and_raises_real_tau(counting_target, tmp_path):
     evaluator = TauEvaluator(target, prompts, max_new_tokens=24)
     tau_before = evaluator(drafter)["tau"]
     data = FeatureDataset(_dataset(64, seed=1))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train_log.jsonl").write_text('{"step": 1, "loss": 9.0}\n')  # a start killed early
     trainer = _trainer(target, drafter, tmp_path / "run", max_steps=60, dataset=data, eval_fn=evaluator,
-                       save_every=0, eval_every=0)
+                       save_every=0, eval_every=30)
     summary = trainer.train()
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
-    first, last = np.mean([r["loss"] for r in log[:3]]), np.mean([r["loss"] for r in log[-5:]])
+    # the learning curve starts at the drafter the run starts from: step 0, no tokens seen, its own tau
+    assert log[0]["step"] == 0 and log[0]["tokens"] == 0 and log[0]["tau"] == pytest.approx(tau_before)
+    assert [r["step"] for r in log if "tau" in r] == [0, 30] and [r["step"] for r in log].count(1) == 1
+    losses = [r["loss"] for r in log if "loss" in r]
+    first, last = np.mean(losses[:3]), np.mean(losses[-5:])
     assert last < 0.3 * first, (first, last)
     tau_after = trainer.evaluate(limit=None)["tau"]
     assert tau_before < 1.5 and tau_after > 3.0, (tau_before, tau_after)  # block 4: max tau is 4

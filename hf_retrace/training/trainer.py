@@ -301,6 +301,20 @@ class Trainer:
                                    f"{result['eval_prompts']} prompts ({result['eval_seconds']:.0f} s)")
         return result.get("eval_seconds", 0.0)
 
+    def _starting_evaluation(self) -> None:
+        """With periodic evaluations, τ of the drafter the run starts from, logged as step 0 (the learning curve's
+        origin: a fine-tuned drafter's starting point, a fresh one's ~1); a log left by a start killed before its
+        first checkpoint is cleared first."""
+        if self.accelerator.is_main_process:
+            truncate_log(self.out_dir / LOG_FILE, -1)
+        if not (self.args.eval_every and self.eval_fn is not None):
+            return
+        result = self.evaluate()
+        if result:
+            self._log({"step": 0, "tokens": 0, "labels": 0, "seconds": 0.0, **result})
+            self.accelerator.print(f"[hf-retrace] step 0: tau {result['tau']:.3f} on {result['eval_prompts']} prompts "
+                                   f"({result['eval_seconds']:.0f} s), before training")
+
     # --- the loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         """Optimizer steps up to ``total_steps`` (from the latest checkpoint with ``resume``); the run's totals."""
@@ -314,6 +328,8 @@ class Trainer:
                 acc.print(f"[hf-retrace] resumed from {ckpt} (step {self.state.step}/{self.total_steps})")
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.state.step == 0:
+            self._starting_evaluation()
         self.model.train()
         batches = self._loader(self.state.micro_step)
         started = time.perf_counter()
