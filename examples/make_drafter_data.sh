@@ -21,6 +21,8 @@
 # BATCH_SIZE (32), MAX_NEW_TOKENS (256, as the shipped answers), TARGET_ANSWERS (15000) and TARGET_TOKENS
 # (3000000): totals with the shipped answers, MAX_ROUNDS (40). OMP_NUM_THREADS (1: a second thread pays only on an
 # otherwise idle machine; beside a test run its spinning threads cut the job to a fraction, 10.6 vs ~55 tok/s).
+# WORKERS (1): `data generate` processes per round, each on every WORKERS-th prompt of the round, one thread each,
+# worker k>0 writing its own shards to responses-wk/ (a shard folder has one writer); use one per free core.
 set -euo pipefail
 
 DATA="${DATA:-$HOME/.cache/hf_retrace_data}"
@@ -32,11 +34,17 @@ MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-256}"
 TARGET_ANSWERS="${TARGET_ANSWERS:-15000}"
 TARGET_TOKENS="${TARGET_TOKENS:-3000000}"
 MAX_ROUNDS="${MAX_ROUNDS:-40}"
+WORKERS="${WORKERS:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" MKL_NUM_THREADS="${MKL_NUM_THREADS:-1}" TOKENIZERS_PARALLELISM=false
 
 SOURCES="$DATA/sources"
 PROMPTS="$DATA/prompts"
 OUT="$DATA/responses"                                     # responses-00000.jsonl ... (resumable shards)
+ANSWERS=("$OUT")                                          # every worker's shard folder
+for k in $(seq 1 $((WORKERS - 1))); do ANSWERS+=("$DATA/responses-w$k"); done
+for extra in "$DATA"/responses-w*; do                     # answers of workers of an earlier, wider run count too
+  [ -d "$extra" ] && [[ ! " ${ANSWERS[*]} " =~ " $extra " ]] && ANSWERS+=("$extra")
+done
 SHIPPED="$SHARED/target/smollm2-135m-instruct-greedy.jsonl"
 SHAREGPT_JSON="$SOURCES/ShareGPT_V3_unfiltered_cleaned_split.json"
 HUMANEVAL="$SOURCES/HumanEval.jsonl.gz"
@@ -71,7 +79,7 @@ fi
 
 # --- 3. rounds ---------------------------------------------------------------------------------------------------
 totals() {  # answers and response tokens, the shipped ones included
-  python - "$SHIPPED" "$OUT" <<'EOF'
+  python - "$SHIPPED" "${ANSWERS[@]}" <<'EOF'
 import sys
 from hf_retrace.training.data.response_shards import read_answered
 records = {r["id"]: r for r in read_answered(sys.argv[1:])}
@@ -88,15 +96,26 @@ for round in $(seq 1 "$MAX_ROUNDS"); do
   conversations="$PROMPTS/turns.jsonl"
   [ -f "$conversations" ] || conversations="$SHAREGPT_JSON"
   hf-retrace data chat-prompts --prompts "$SHARED/train/sharegpt-prompts.jsonl" --conversations "$conversations" \
-    --answers "$SHIPPED" "$OUT" --out-dir "$PROMPTS"
+    --answers "$SHIPPED" "${ANSWERS[@]}" --out-dir "$PROMPTS"
   hf-retrace data mix --prompts "$PROMPTS/code-library.jsonl" "$PROMPTS/first-turns-code.jsonl" \
-    "$PROMPTS/first-turns-chat.jsonl" "$PROMPTS/second-turns.jsonl" --answered "$SHIPPED" "$OUT" \
+    "$PROMPTS/first-turns-chat.jsonl" "$PROMPTS/second-turns.jsonl" --answered "$SHIPPED" "${ANSWERS[@]}" \
     --per-file "$PER_FILE" --out "$PROMPTS/round.jsonl"
   if [ ! -s "$PROMPTS/round.jsonl" ]; then
     log "every prompt is answered"; break
   fi
-  hf-retrace data generate --target default --prompts "$PROMPTS/round.jsonl" --out "$OUT" --dtype "$DTYPE" \
-    --batch-size "$BATCH_SIZE" --max-new-tokens "$MAX_NEW_TOKENS"
+  if [ "$WORKERS" -eq 1 ]; then
+    hf-retrace data generate --target default --prompts "$PROMPTS/round.jsonl" --out "$OUT" --dtype "$DTYPE" \
+      --batch-size "$BATCH_SIZE" --max-new-tokens "$MAX_NEW_TOKENS"
+    continue
+  fi
+  pids=()
+  for k in $(seq 0 $((WORKERS - 1))); do
+    awk -v n="$WORKERS" -v k="$k" '(NR - 1) % n == k' "$PROMPTS/round.jsonl" > "$PROMPTS/round-w$k.jsonl"
+    hf-retrace data generate --target default --prompts "$PROMPTS/round-w$k.jsonl" --out "${ANSWERS[$k]}" \
+      --dtype "$DTYPE" --batch-size "$BATCH_SIZE" --max-new-tokens "$MAX_NEW_TOKENS" > "$DATA/generate-w$k.log" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done
 done
 read -r answers tokens < <(totals)
-log "done: $answers answers, $tokens response tokens (the shipped $SHIPPED and $OUT)"
+log "done: $answers answers, $tokens response tokens (the shipped $SHIPPED and ${ANSWERS[*]})"

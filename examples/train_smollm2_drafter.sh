@@ -90,7 +90,9 @@ retrace() {
 }
 breadth_data() {
   : "${HF_RETRACE_TARGET_ANSWERS:?set it to the JSONL of the shipped answers of the target}"
-  hf-retrace data tokenize --target default --responses "$HF_RETRACE_TARGET_ANSWERS" "$DATA/responses" --out "$BTOK" \
+  local answers=("$DATA/responses")
+  for extra in "$DATA"/responses-w*; do [ -d "$extra" ] && answers+=("$extra"); done  # WORKERS > 1 folders
+  hf-retrace data tokenize --target default --responses "$HF_RETRACE_TARGET_ANSWERS" "${answers[@]}" --out "$BTOK" \
       --max-length 1024 --exclude-ids "$DATA/round-record-prompts.jsonl"
   hf-retrace data features --target default --data "$BTOK" --out "$BFEATS" --target-layer-ids 1,8,14,20,27 \
       --dtype float32 --storage-dtype bfloat16 --max-batch-tokens 4096 "$@"

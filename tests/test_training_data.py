@@ -351,6 +351,17 @@ def test_a_tokenized_folder_grows_by_new_sources_and_keeps_its_sequences(tmp_pat
     (out / "shard-00003.input_ids.npy").unlink()
     assert tokenize_responses(tokenizer, [shipped, shards], out, max_length=512, shard_size=2) == grown
 
+    # a second shard folder (another generation worker) whose shards sort before the first's new ones: its files
+    # are appended after the folder's own, whatever the order given
+    worker = tmp_path / "worker-1"
+    worker.mkdir()
+    _write_jsonl(worker / "responses-00000.jsonl", [dict(MORE[0], id="w")])
+    both = tokenize_responses(tokenizer, [worker, shipped, shards], out, max_length=512, shard_size=2)
+    assert both["parts"] == [0, 2, 4] and both["num_sequences"] == 7
+    assert [Path(source["path"]).parent.name for source in both["sources"]][-1] == "worker-1"
+    assert _sequences(TokenizedDataset(out))[:6] == after
+    grown = both
+
     # a source that changed, or one left out, is refused before anything is written
     _write_jsonl(shards / "responses-00000.jsonl", MORE[:2])
     with pytest.raises(ValueError, match="not all among these, unchanged.*responses-00000.jsonl"):

@@ -141,21 +141,23 @@ def _resumed_manifest(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]
             f"{out_dir} already holds sequences made with other settings ({changed} differ). "
             "Use a new output folder, or delete this one to re-tokenize."
         )
-    old, new = existing.get("sources", []), settings["sources"]
-    if new[: len(old)] != old:
-        gone = [f"{s['path']} ({s['bytes']} bytes)" for s in old if s not in new]
+    old = existing.get("sources", [])
+    gone = [f"{source['path']} ({source['bytes']} bytes)" for source in old if source not in settings["sources"]]
+    if gone:
         raise ValueError(
             f"{out_dir} was tokenized from sources that are not all among these, unchanged: {gone}. A folder grows "
-            "only by new sources after its own (the same files first, not rewritten); use a new output folder."
+            "only by new sources beside its own (those still there, not rewritten); use a new output folder."
         )
+    added = [source for source in settings["sources"] if source not in old]
     parts = existing.get("parts", [0])  # the first source of each call that brought new sources
     shards = existing["shards"]
     if not existing.get("complete"):
         shards = [s for s in shards if all((out_dir / f"{s['name']}.{a}.npy").exists() for a in _SHARD_ARRAYS)]
-    elif len(new) == len(old):
+    elif not added:
         return existing
-    return {**existing, **settings, "complete": False, "shards": shards,
-            "parts": parts + ([len(old)] if len(new) > len(old) else [])}
+    # the folder's own sources keep their order and their sequences; new ones follow, in the order given
+    return {**existing, **settings, "sources": old + added, "complete": False, "shards": shards,
+            "parts": parts + ([len(old)] if added else [])}
 
 
 def _part_files(manifest: dict[str, Any]) -> Iterator[tuple[int, list[Path]]]:
@@ -216,10 +218,11 @@ def tokenize_responses(
     ``manifest.json`` holds the settings, the per-shard counts and the totals; it is rewritten after each shard, so a
     second call resumes after the last complete shard, and returns at once when ``complete`` is true.
 
-    A folder grows: a later call whose sources are this folder's sources (unchanged) followed by new ones
-    (e.g. a shard folder where a generation run has finished more shards since) tokenizes only the new ones, into
-    new shards after the existing ones (a new *part*, recorded in ``parts``), so sequence ``i`` stays sequence ``i``
-    and features computed for the first sequences stay valid. Other settings are a ``ValueError``.
+    A folder grows: a later call whose sources include all of this folder's sources, unchanged, and new ones (e.g.
+    shard folders where generation runs have finished more shards since) tokenizes only the new ones, in the order
+    given, into new shards after the existing ones (a new *part*, recorded in ``parts``; ``sources`` lists the
+    files in the order their sequences stand), so sequence ``i`` stays sequence ``i`` and features computed for the
+    first sequences stay valid. Other settings are a ``ValueError``.
 
     Example::
 
