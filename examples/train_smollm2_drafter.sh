@@ -17,6 +17,7 @@
 #                     as more answers arrive: the folder grows and the features keep their shards
 #   breadth-continue  the shipped drafter fine-tuned on all of it (RUN=$RUNS/breadth-continue)
 #   breadth-scratch   the same shape from scratch, the same steps (RUN=$RUNS/breadth-scratch)
+#   breadth-calibrate DRAFTER=folder: its rounds recorded on the 48 held-out prompts of every kind (--write)
 # Both evaluate tau on the round-record prompts (every kind) as they train. Run them one after the other with both
 # cores, or side by side with THREADS=1 each (the same machine share for both: equal minutes are equal conditions);
 # compare them at equal minutes with
@@ -112,6 +113,9 @@ case "$STEP" in
       --seed 1 "$@" ;;
   breadth-scratch) breadth_run breadth-scratch --block-size 8 --num-layers 1 --target-layer-ids 1,8,14,20,27 \
       --draft-vocab-size 8960 --lr "${LR:-1e-3}" --seed 0 "$@" ;;
+  breadth-calibrate) hf-retrace calibrate --target default --drafter "${DRAFTER:?set DRAFTER to the drafter folder}" \
+      --prompts "$DATA/round-record-prompts.jsonl" --limit 48 --max-new-tokens 128 --num-threads 2 \
+      --json "$RUNS/calibration-breadth.json" --write "$@" ;;
   tokenize) tokenize ;;
   features) features "$@" ;;
   backbone) backbone "$@" ;;
@@ -121,5 +125,5 @@ case "$STEP" in
   retrace) retrace "$@" ;;
   all) tokenize; features --limit "$SEQUENCES"; backbone "$@"; export_run; calibrate ;;
   *) echo "unknown step $STEP (tokenize | features | backbone | continue | export | calibrate | all | retrace |" \
-          "breadth-data | breadth-continue | breadth-scratch)" >&2; exit 2 ;;
+          "breadth-data | breadth-continue | breadth-scratch | breadth-calibrate)" >&2; exit 2 ;;
 esac
