@@ -405,6 +405,25 @@ def test_end_to_end_lowers_loss_and_raises_real_tau(counting_target, tmp_path):
     assert summary["steps"] == 60
 
 
+def test_tau_is_measured_on_the_drafter_whatever_policy_the_machine_would_pick(counting_target, monkeypatch):
+    """Training's τ: full blocks, no lookup, never the tuned policy (here `off`: plain decoding, a τ of 0)."""
+    from hf_retrace.training.evaluation import evaluation_policy
+
+    target = counting_target
+    drafter = make_drafter(target, block_size=4, layers=2)
+    prompts = [counting(3, 6).tolist(), counting(20, 6).tolist()]
+    reference = TauEvaluator(target, prompts, max_new_tokens=16)(drafter)
+    monkeypatch.setenv("HF_RETRACE_POLICY", "off")
+    ids = torch.tensor([prompts[0]])
+    target.generate(ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=8,
+                    do_sample=False, pad_token_id=PAD)
+    assert drafter.last_stats is None or not drafter.last_stats.rounds  # what a user's call would do here
+    measured = TauEvaluator(target, prompts, max_new_tokens=16)(drafter)
+    assert measured["tau"] == pytest.approx(reference["tau"]) and measured["tau"] >= 1.0 and measured["eval_rounds"]
+    policy = evaluation_policy(drafter)
+    assert policy.speculate and policy.confidence_cut is None and not policy.lookup and policy.verify_costs is None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Initialisation, stages, CLI checks
 # --------------------------------------------------------------------------------------------------------------

@@ -15,9 +15,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..generation.policy import RoundPolicy, shipped_policy
 from ..stats import GenerationStats
 
-__all__ = ["TauEvaluator", "sequence_prompt_ids"]
+__all__ = ["TauEvaluator", "evaluation_policy", "sequence_prompt_ids"]
+
+
+def evaluation_policy(drafter: nn.Module) -> RoundPolicy:
+    """The round policy τ is measured under while training: the drafter alone, full blocks, no lookup, no guard,
+    ReTrace as its config says (on for a module the run trains). The same on every machine: never the policy tuned
+    for the machine, which may decode plainly where drafting does not pay (a τ of 0 that says nothing of the
+    drafter)."""
+    return shipped_policy(drafter.config).replace(confidence_cut=None, lookup=False, source="evaluation")
 
 
 def sequence_prompt_ids(dataset: Any, indices: Sequence[int]) -> list[list[int]]:
@@ -37,8 +46,9 @@ class TauEvaluator:
     """Measures τ with REAL ``target.generate(ids, assistant_model=drafter, do_sample=False)`` on held-out prompts.
 
     ``prompts`` are token-id lists (already chat-templated). τ is the DFlash protocol's: the mean over prompts of
-    each call's ``drafter.last_stats.mean_acceptance_length``. ``limit`` evaluates only the first prompts (cheap
-    periodic evals); ``evaluate(drafter, limit=None)`` runs them all.
+    each call's ``last_stats.mean_acceptance_length``, under :func:`evaluation_policy` (full blocks, no lookup).
+    ``limit`` evaluates only the first prompts (cheap periodic evals); ``evaluate(drafter, limit=None)`` runs them
+    all.
     """
 
     def __init__(self, target: nn.Module, prompts: Sequence[Sequence[int]], max_new_tokens: int = 64,
@@ -56,6 +66,7 @@ class TauEvaluator:
         prompts = self.prompts[:limit] if limit else self.prompts
         was_training = drafter.training
         drafter.eval()
+        view = drafter.with_policy(evaluation_policy(drafter))
         device = next(self.target.parameters()).device
         all_stats = []
         started = time.perf_counter()
@@ -67,11 +78,11 @@ class TauEvaluator:
                     pad = self.target.generation_config.eos_token_id
                     pad = pad[0] if isinstance(pad, (list, tuple)) else pad
                 self.target.generate(
-                    input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=drafter,
+                    input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=view,
                     max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad,
                 )
-                if drafter.last_stats is not None:
-                    all_stats.append(drafter.last_stats)
+                if view.last_stats is not None:
+                    all_stats.append(view.last_stats)
         finally:
             drafter.train(was_training)
         pooled = GenerationStats.pooled(all_stats)

@@ -70,7 +70,7 @@ def write_model_card(out_dir: str | os.PathLike[str], info: dict[str, Any]) -> P
         lines.append(
             f"τ = **{tau:.3f}** (mean over {info.get('eval_prompts')} held-out prompts of committed tokens per target "
             f"forward, greedy, max_new_tokens={info.get('eval_max_new_tokens')}, measured with real "
-            "`target.generate(..., assistant_model=drafter)`)."
+            "`target.generate(..., assistant_model=drafter)`, the drafter alone in full blocks: no lookup, no cut)."
         )
     else:
         lines.append("τ was not measured (no evaluation prompts were given).")
