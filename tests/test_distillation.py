@@ -256,3 +256,33 @@ def test_data_that_grew_keeps_its_features_and_training_computes_the_rest(tiny_r
     with pytest.raises(SystemExit, match="--features-dir .* does not belong to --data .*features-00000.bin holds other"):
         main(argv)
     assert not (tmp_path / "other").exists()
+
+
+def test_a_fine_tuned_drafter_takes_the_draft_vocabulary_of_its_new_data(tiny_run, tmp_path):
+    """--draft-vocab-size with --init-from re-selects the vocabulary from --data (the head rows are the target's,
+    frozen: nothing learned is lost); without it the drafter keeps its own."""
+    from transformers import AutoConfig
+
+    from hf_retrace import ReTraceDrafter
+    from hf_retrace.training.drafter_init import frequent_response_tokens
+
+    root = tiny_run
+    config = AutoConfig.from_pretrained(root / "target")
+
+    def fine_tune(out, *extra):  # --init-from takes the layers from the checkpoint: no --target-layer-ids
+        argv = _train_argv(root, out, "--init-from", str(tmp_path / "first"), *extra)
+        at = argv.index("--target-layer-ids")
+        return main(argv[:at] + argv[at + 2 :])
+
+    def most_frequent(size):
+        return sorted(frequent_response_tokens(str(root / "tok"), size, config).tolist())
+
+    assert main(_train_argv(root, tmp_path / "first", "--draft-vocab-size", "6")) == 0
+    first = ReTraceDrafter.from_pretrained(tmp_path / "first")
+    assert first.draft_vocab.tolist() == most_frequent(6)
+    assert fine_tune(tmp_path / "kept") == 0
+    assert ReTraceDrafter.from_pretrained(tmp_path / "kept").draft_vocab.tolist() == most_frequent(6)
+    assert fine_tune(tmp_path / "wider", "--draft-vocab-size", "12") == 0
+    wider = ReTraceDrafter.from_pretrained(tmp_path / "wider")
+    assert wider.config.draft_vocab_size == 12 and wider.draft_vocab.tolist() == most_frequent(12)
+    assert "re-selected; it had 6" in (tmp_path / "wider" / "README.md").read_text()

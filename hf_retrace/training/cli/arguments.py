@@ -64,7 +64,8 @@ def _add_drafter_arguments(p: argparse.ArgumentParser) -> None:
 def _add_objective_arguments(p: argparse.ArgumentParser) -> None:
     """The training objective."""
     p.add_argument("--draft-vocab-size", type=int, default=None,
-                   help="draft only the N most frequent response tokens of --data (cheaper rounds; default: all)")
+                   help="draft only the N most frequent response tokens of --data (cheaper rounds; default: all); "
+                        "with --init-from it re-selects the drafter's vocabulary for this data (default: kept)")
     p.add_argument("--verification", choices=("exact", "teacher-forced"), default="exact",
                    help="--stage retrace: the target's verdict from a real verify forward over the drafts (exact) "
                         "or from the teacher-forced outputs on the true sequence (cheaper, optimistic)")

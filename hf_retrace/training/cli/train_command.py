@@ -131,9 +131,12 @@ def _build_drafter(args: argparse.Namespace, target: Any) -> tuple[ReTraceDrafte
             source = None if args.copy_target_layers == "last" else parse_ids(args.copy_target_layers)
             mapping = copy_target_layers(drafter, target, source)
             init += f", layers copied from target layers {list(mapping.values())}"
-    if args.draft_vocab_size and not args.init_from:
+    if args.draft_vocab_size:  # a selection of the target's frozen head rows: re-selecting loses nothing learned
+        before = drafter.config.draft_vocab_size if drafter.draft_vocab is not None else None
         drafter.set_draft_vocab(frequent_response_tokens(args.data, args.draft_vocab_size, target.config))
-        init += f", draft vocabulary: the {args.draft_vocab_size} most frequent response tokens"
+        init += f", draft vocabulary: the {args.draft_vocab_size} most frequent response tokens of --data"
+        if args.init_from:
+            init += f" (re-selected; it had {before or 'the full vocabulary'})"
     if args.stage == "retrace":
         drafter.add_retrace()
         drafter.config.retrace_ablation = args.retrace_ablation
