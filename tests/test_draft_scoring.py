@@ -59,3 +59,14 @@ def test_training_scores_as_the_direct_computation_and_maps_labels_back(pair):
     torch.testing.assert_close(drafter.compute_logits(rows, (weight, bias)), expected)
     index, in_vocab = objective.draft_index(torch.arange(VOCAB))
     assert int(in_vocab.sum()) == len(vocab) and torch.equal(drafter.draft_token_ids(index[in_vocab]), vocab)
+
+
+def test_the_training_head_follows_a_vocabulary_reselected_at_the_same_size():
+    target = tiny_target(family="llama", vocab_size=VOCAB, seed=4)
+    drafter = tiny_drafter(target, draft_vocab_size=40, seed=2)
+    objective = DFlashObjective(drafter, target.get_input_embeddings(), target.get_output_embeddings())
+    rows = torch.randn(3, target.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    objective._draft_head(rows.dtype, rows.device)  # cached for the first vocabulary
+    drafter.set_draft_vocab(torch.arange(VOCAB - 40, VOCAB))  # another 40 tokens
+    weight, _ = objective._draft_head(rows.dtype, rows.device)
+    torch.testing.assert_close(weight, target.lm_head.weight[VOCAB - 40 :].to(weight.dtype))

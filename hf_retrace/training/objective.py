@@ -165,7 +165,7 @@ class DFlashObjective(nn.Module):
         if self.drafter.draft_vocab is None and weight.dtype == dtype and weight.device == device:
             return weight, bias
         vocab = self.drafter.draft_vocab
-        key = (dtype, device, weight.data_ptr(), None if vocab is None else vocab.numel())
+        key = (dtype, device, weight.data_ptr(), None if vocab is None else (vocab.data_ptr(), vocab.numel()))
         if key not in self._head_cache:
             self._head_cache.clear()
             self._head_cache[key] = tuple(None if t is None else t.detach().to(device=device, dtype=dtype)
