@@ -48,7 +48,7 @@ done
 SHIPPED="$SHARED/target/smollm2-135m-instruct-greedy.jsonl"
 SHAREGPT_JSON="$SOURCES/ShareGPT_V3_unfiltered_cleaned_split.json"
 HUMANEVAL="$SOURCES/HumanEval.jsonl.gz"
-mkdir -p "$SOURCES" "$PROMPTS" "$OUT"
+mkdir -p "$SOURCES" "$PROMPTS" "${ANSWERS[@]}"
 log() { echo "[make_drafter_data $(date '+%F %T')] $*"; }
 
 # --- 1. sources -------------------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ SLOW_TESTS = {  # module -> test names (parameters ignored)
     "test_demo.py": {"test_demo_module_imports_cheaply_and_cli_rejects_bad_drafter"},  # a subprocess
     "test_tuning.py": {"test_two_concurrent_writers_leave_one_valid_file"},  # two processes (~30 s)
     "test_device_flags.py": {"test_generate_runs_with_a_device_and_a_compiled_drafter"},  # torch.compile
+    "test_recipes.py": {"test_the_data_recipe_splits_rounds_over_workers_and_counts_every_folder"},  # bash rounds
 }
 SLOW_FIXTURES = {  # module -> fixtures: a test that uses one of them (directly or through another fixture) is slow
     "test_demo.py": {"server"},  # a Gradio server
