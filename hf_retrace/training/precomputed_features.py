@@ -214,7 +214,7 @@ def precompute_features(
     the target's dtype (bf16 stays bit-exact). ``limit`` stores only the first ``limit`` sequences.
     Settings that differ from an existing ``features.json`` raise a ``ValueError``. A folder made for a dataset
     that has grown since (new sequences after the old ones, as ``tokenize_responses`` appends them), or with a
-    smaller ``limit``, keeps its shards and computes the rest.
+    smaller ``limit`` than this call's, keeps its shards and computes the rest (never fewer sequences).
     """
     storage_dtype = storage_dtype or next(target.parameters()).dtype
     total = _total(dataset, limit)

@@ -140,8 +140,8 @@ def add_tokenize_arguments(p: argparse.ArgumentParser) -> None:
     """``hf-retrace data tokenize``: responses into training sequences."""
     p.add_argument("--target", required=True, help="whose tokenizer/chat template (Hub id, folder, default)")
     p.add_argument("--responses", required=True, nargs="+",
-                   help="response JSONL files or shard folders; an existing --out grows when these are its own "
-                        "sources followed by new ones (a shard folder with more complete shards since)")
+                   help="response JSONL files or shard folders; an existing --out grows when these hold all of its "
+                        "own sources, unchanged, and new ones (shard folders with more complete shards since)")
     p.add_argument("--out", required=True)
     p.add_argument("--max-length", type=int, default=1024)
     p.add_argument("--exclude-ids", nargs="+", default=[], metavar="PROMPTS",

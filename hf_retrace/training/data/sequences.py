@@ -127,9 +127,9 @@ def _chunks(records: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[
 
 def _resumed_manifest(out_dir: Path, settings: dict[str, Any]) -> dict[str, Any]:
     """The manifest to continue: a fresh one, the existing one's complete shards, the existing one when complete, or
-    the existing one grown by a new part when ``settings`` lists its sources and more after them.
+    the existing one grown by a new part when ``settings`` lists all of its sources, unchanged, and new ones.
 
-    Other settings, or sources that are not the existing ones followed by new ones, are a ``ValueError``."""
+    Other settings, or a source of the folder missing or changed, are a ``ValueError``."""
     manifest: dict[str, Any] = {**settings, "complete": False, "shards": [], "parts": [0]}
     if not (out_dir / _MANIFEST).exists():
         return manifest
