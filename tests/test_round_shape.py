@@ -77,6 +77,30 @@ def test_lookup_rounds_follow_the_budget_rule():
         budget = policy.next_lookup_budget(k, accepted)
 
 
+@pytest.mark.parametrize("lookup_cap", [2, 9])
+def test_no_round_proposes_more_than_num_drafting_tokens(lookup_cap, monkeypatch):
+    """transformers >= 5.25 sizes the target cache's rollback record by the generator's ``num_drafting_tokens``: it
+    must bound every round, a drafter block's (block - 1) and a lookup copy's (lookup_cap) alike."""
+    target = tiny_target(seed=5, logit_scale=4.0)
+    policy = RoundPolicy(lookup=True, lookup_min_ngram=1, lookup_start=1, lookup_cap=lookup_cap)
+    drafter = tiny_drafter(target, block_size=4, seed=6).with_policy(policy)
+    bounds = []
+    built = ReTraceCandidateGenerator.__init__
+
+    def recording(self, *args, **kwargs):
+        built(self, *args, **kwargs)
+        bounds.append(self.num_drafting_tokens)
+
+    monkeypatch.setattr(ReTraceCandidateGenerator, "__init__", recording)
+    prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
+    target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
+    stats = drafter.last_stats
+    assert bounds == [max(3, lookup_cap)]
+    assert "lookup" in stats.round_sources
+    assert max(stats.draft_lengths) <= bounds[0]
+    assert lookup_cap < 3 or max(k for s, k in zip(stats.round_sources, stats.draft_lengths) if s == "lookup") > 3
+
+
 def test_bad_round_settings_fail_when_the_drafter_is_built():
     target = tiny_target()
     drafter = tiny_drafter(target)

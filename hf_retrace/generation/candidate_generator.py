@@ -120,6 +120,12 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         last_stats_slot(drafter).set(self.stats)
         self._verify_started = 0.0
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """The most tokens one round can propose (a drafter block's or a lookup copy's): transformers >= 5.25 sizes the
+        target cache's rollback record by it (``cache.activate_past_recording``)."""
+        return max(self.max_drafts, self.policy.lookup_cap if self.lookup is not None else 0)
+
     def close(self) -> None:
         """Release what the call holds on the target (its layer hooks on transformers 4.57); idempotent."""
         self.tap.close()
