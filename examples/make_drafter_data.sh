@@ -17,9 +17,8 @@
 #
 # Settings (environment): SHARED (required: the data folder holding train/, dev/ and target/),
 # DATA (~/.cache/hf_retrace_data),
-# DTYPE (by default bf16 on a CPU with bf16 units, avx512_bf16 or amx_bf16 in /proc/cpuinfo, float32 on one without:
-# measured 85.2 vs 47.1 tok/s on a Xeon with avx512_bf16, and fp32 the faster on an AVX2 EPYC; docs/drafter-data.md),
-# PER_FILE (150),
+# DTYPE (auto: bf16 on a CPU with bf16 units, avx512_bf16 or amx_bf16, float32 on one without; measured 85.2 vs
+# 47.1 tok/s on a Xeon with AMX, and fp32 3-4x the faster on an AVX2 EPYC: docs/drafter-data.md), PER_FILE (150),
 # BATCH_SIZE (32), MAX_NEW_TOKENS (256, as the shipped answers), TARGET_ANSWERS (15000) and TARGET_TOKENS
 # (3000000): totals with the shipped answers, MAX_ROUNDS (40). OMP_NUM_THREADS (1: a second thread pays only on an
 # otherwise idle machine; beside a test run its spinning threads cut the job to a fraction, 10.6 vs ~55 tok/s).
@@ -29,9 +28,7 @@ set -euo pipefail
 
 DATA="${DATA:-$HOME/.cache/hf_retrace_data}"
 SHARED="${SHARED:?set SHARED to the data folder holding train/, dev/ and target/ (e.g. SHARED=/path/to/data)}"
-if [ -z "${DTYPE:-}" ]; then  # the faster batched dtype on this CPU (docs/drafter-data.md, "fp32 or bf16")
-  if grep -qwE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then DTYPE=bf16; else DTYPE=float32; fi
-fi
+DTYPE="${DTYPE:-auto}"
 PER_FILE="${PER_FILE:-150}"
 BATCH_SIZE="${BATCH_SIZE:-32}"
 MAX_NEW_TOKENS="${MAX_NEW_TOKENS:-256}"

@@ -197,3 +197,57 @@ def test_the_verify_cost_timing_waits_for_the_device_around_every_forward(synchr
     curve = costs.measure_verify_costs(tiny_target(dtype=torch.float32), 2, context_length=8, repeats=1)
     assert len(curve) == 3 and curve[0] == 1
     assert len(calls) == 2 * (1 + 2 * 2)  # before and after each forward: a warm-up, then per k = 1, 2 a one-token and a k-token one
+
+
+# --- --dtype auto (the batched data commands) -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flags, device, device_map", [([], "cpu", None), (["--device", "cuda:1"], "cuda:1", None),
+                                                       (["--device-map", "auto"], None, "auto")])
+@pytest.mark.parametrize("bf16_units", [True, False])
+def test_dtype_auto_is_bf16_on_accelerators_and_bf16_cpus_and_fp32_elsewhere(flags, device, device_map, bf16_units,
+                                                                              two_gpus, monkeypatch):
+    from hf_retrace import machine
+
+    monkeypatch.setattr(machine, "has_bf16_units", lambda: bf16_units)
+    for command in ("data generate", "data features", "data topk"):
+        args = build_parser().parse_args([*COMMANDS[command], *flags])
+        assert args.dtype == "auto"  # the default
+        expected = "bf16" if bf16_units or device_map or device != "cpu" else "fp32"
+        assert loading.resolve_dtype(args.dtype, args.device, args.device_map) == expected
+        assert build_parser().parse_args([*COMMANDS[command], "--dtype", "float32"]).dtype == "fp32"  # as given
+    assert loading.resolve_dtype("bfloat16") == "bf16"
+
+
+def test_bf16_units_are_read_from_the_cpu_flags(monkeypatch):
+    from hf_retrace import machine
+
+    for flags, expected in [(["avx2", "fma"], False), (["avx2", "avx512f", "avx512_bf16"], True),
+                            (["amx_bf16", "amx_tile"], True), (["asimd", "bf16"], True), ([], False)]:
+        monkeypatch.setattr(machine, "cpu_info", lambda flags=flags: {"model": "x", "flags": flags, "machine": "m"})
+        assert machine.has_bf16_units() is expected
+
+
+def test_auto_is_refused_where_a_command_does_not_offer_it(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*COMMANDS["generate"], "--dtype", "auto"])
+    assert "invalid choice: 'auto'" in capsys.readouterr().err
+
+
+def test_data_generate_with_dtype_auto_loads_the_resolved_dtype(pair, tmp_path, monkeypatch, capsys):
+    from hf_retrace import machine
+
+    monkeypatch.setattr(machine, "has_bf16_units", lambda: False)
+    loaded = []
+    real = loading.load_target
+
+    def recording(target, dtype="bf16", **kwargs):
+        loaded.append(dtype)
+        return real(target, dtype, **kwargs)
+
+    monkeypatch.setattr("hf_retrace.training.cli.commands.load_target", recording)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "the a of"}\n')
+    assert main(["data", "generate", "--target", str(pair / "target"), "--prompts", str(prompts), "--out",
+                 str(tmp_path / "out"), "--max-new-tokens", "3"]) == 0
+    assert loaded == ["fp32"] and "--dtype auto: fp32" in capsys.readouterr().err

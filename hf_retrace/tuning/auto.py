@@ -20,11 +20,9 @@ One line on stderr says when a call tunes, and what it chose.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -34,6 +32,7 @@ from typing import Any
 import torch
 
 from ..defaults import cache_root
+from ..machine import cpu_info
 from ..generation.policy import RoundPolicy, shipped_policy
 from .costs import MachineCosts, measure_costs
 from .records import RECORDS_FILENAME, RoundRecords
@@ -49,23 +48,6 @@ _LOCK = threading.Lock()
 
 def policy_cache_dir() -> Path:
     return cache_root() / "policies"
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu() -> dict[str, Any]:
-    """The CPU's model and the instruction-set flags that change a matmul's speed (bf16, AMX, AVX-512, AVX2)."""
-    model, flags = platform.processor(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and model in ("", platform.machine()):
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    kept = sorted(f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "avx", "asimd", "sve"))
-    return {"model": model, "flags": kept, "machine": platform.machine()}
 
 
 def _fingerprint(model: Any) -> str:
@@ -88,7 +70,7 @@ def machine_key(target: Any, drafter: Any) -> dict[str, Any]:
     device = target.get_input_embeddings().weight.device
     key = {"format": CACHE_FORMAT, "target": _fingerprint(target), "drafter": _fingerprint(drafter),
            "dtype": str(target.dtype).removeprefix("torch."), "drafter_dtype": str(drafter.dtype).removeprefix("torch."),
-           "device": device.type, "cpu": _cpu(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "device": device.type, "cpu": cpu_info(), "threads": torch.get_num_threads(), "torch": torch.__version__,
            "transformers": transformers.__version__, "hf_retrace": version}
     if device.type == "cuda":
         key["accelerator"] = torch.cuda.get_device_name(device)

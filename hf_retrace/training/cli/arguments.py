@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from ...configuration import RETRACE_ABLATIONS
-from ...loading import SHORT_DTYPES, add_device_arguments, dtype_arg
+from ...loading import AUTO_DTYPE, AUTO_DTYPE_HELP, AUTO_DTYPES, SHORT_DTYPES, add_device_arguments, dtype_arg
 from ..objective import DEFAULT_GAMMA
 from ..precomputed_features import DEFAULT_MAX_BATCH_TOKENS
 
@@ -132,7 +132,7 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
+    p.add_argument("--dtype", type=dtype_arg, choices=AUTO_DTYPES, default=AUTO_DTYPE, help=AUTO_DTYPE_HELP)
     add_device_arguments(p)
 
 
@@ -158,8 +158,7 @@ def add_features_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-layer-ids", default=None)
     p.add_argument("--max-batch-tokens", type=int, default=DEFAULT_MAX_BATCH_TOKENS)
     p.add_argument("--limit", type=int, default=None)
-    p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16",
-                   help="the target's dtype for the forward (float32 is ~2.5x faster on CPUs without bf16 units)")
+    p.add_argument("--dtype", type=dtype_arg, choices=AUTO_DTYPES, default=AUTO_DTYPE, help=AUTO_DTYPE_HELP)
     p.add_argument("--storage-dtype", type=dtype_arg, choices=SHORT_DTYPES, default=None,
                    help="dtype on disk (default: --dtype; bfloat16 halves the disk of a float32 forward)")
     add_device_arguments(p)
@@ -174,8 +173,7 @@ def add_topk_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=4096,
                    help="padded tokens per forward (the logits take 4 B x vocabulary each)")
     p.add_argument("--limit", type=int, default=None, help="the first N sequences only")
-    p.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16",
-                   help="the target's dtype for the forward (float32 is ~2.5x faster on CPUs without bf16 units)")
+    p.add_argument("--dtype", type=dtype_arg, choices=AUTO_DTYPES, default=AUTO_DTYPE, help=AUTO_DTYPE_HELP)
     add_device_arguments(p)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ...configuration import build_target_layer_ids
-from ...loading import load_drafter, load_target, resolve_target, torch_dtype
+from ...loading import AUTO_DTYPE, load_drafter, load_target, resolve_dtype, resolve_target, torch_dtype
 from .arguments import (
     add_calibrate_arguments,
     add_features_arguments,
@@ -84,10 +84,18 @@ def cmd_data(args: argparse.Namespace) -> int:
     return commands[args.data_command](args)
 
 
+def _data_dtype(args: argparse.Namespace) -> str:
+    """The batched data commands' dtype, ``--dtype auto`` resolved for where the target runs (said on stderr)."""
+    dtype = resolve_dtype(args.dtype, args.device, args.device_map)
+    if args.dtype == AUTO_DTYPE:
+        print(f"[hf-retrace] --dtype auto: {dtype}", file=sys.stderr)
+    return dtype
+
+
 def _generate(args: argparse.Namespace) -> int:
     for path in args.prompts:
         check_prompt_file(path, "--prompts")
-    target, tokenizer = load_target(args.target, args.dtype, frozen=True, device=args.device,
+    target, tokenizer = load_target(args.target, _data_dtype(args), frozen=True, device=args.device,
                                     device_map=args.device_map)
     prompts = []
     for path in args.prompts:
@@ -129,7 +137,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 
 def _precompute(args: argparse.Namespace) -> int:
     require_tokenized(args.data)
-    target, _ = load_target(args.target, args.dtype, frozen=True, device=args.device, device_map=args.device_map)
+    target, _ = load_target(args.target, _data_dtype(args), frozen=True, device=args.device, device_map=args.device_map)
     layers = parse_ids(args.target_layer_ids) or build_target_layer_ids(
         target.config.get_text_config().num_hidden_layers, args.num_target_features)
     storage = torch_dtype(args.storage_dtype) if args.storage_dtype else None
@@ -147,7 +155,7 @@ def _precompute_topk(args: argparse.Namespace) -> int:
     require_tokenized(args.data)
     if args.k < 1 or args.max_batch_tokens < 1:
         raise usage_error(f"--k and --max-batch-tokens must be at least 1, got {args.k} and {args.max_batch_tokens}.")
-    target, _ = load_target(args.target, args.dtype, frozen=True, device=args.device, device_map=args.device_map)
+    target, _ = load_target(args.target, _data_dtype(args), frozen=True, device=args.device, device_map=args.device_map)
     try:  # k beyond the vocabulary, or --out holding another store or other settings: nothing was written
         manifest = precompute_topk(target, TokenizedDataset(args.data), args.out, args.k,
                                    max_batch_tokens=args.max_batch_tokens, limit=args.limit)
