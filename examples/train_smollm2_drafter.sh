@@ -20,6 +20,8 @@
 #                     tokens but 91.3 % of the new ones'; the 8,960 most frequent of all: 97.5 % of the new)
 #   breadth-scratch   the same shape from scratch, the same steps (RUN=$RUNS/breadth-scratch)
 #   breadth-calibrate DRAFTER=folder: its rounds recorded on the 48 held-out prompts of every kind (--write)
+#   breadth-heldout   the target's own answers to those 48 prompts, tokenized into $RUNS/tok-heldout: ReTrace's bound
+#                     on them (examples/kept_suffix_signal.py --data $RUNS/tok-heldout --start 0 --sequences 48)
 # Both evaluate tau on the round-record prompts (every kind) as they train. Run them one after the other with both
 # cores, or side by side with THREADS=1 each (the same machine share for both: equal minutes are equal conditions);
 # compare them at equal minutes with
@@ -117,8 +119,15 @@ breadth_run() {  # breadth_run RUN_NAME FLAGS...: the settings both runs share
       --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every 1000 --eval-limit 12 --eval-max-new-tokens 64 \
       --save-every 200 --keep-checkpoints 2 "$@"
 }
+breadth_heldout() {
+  hf-retrace data generate --target default --prompts "$DATA/round-record-prompts.jsonl" --out "$DATA/heldout-responses" \
+      --max-new-tokens 256 "$@"
+  hf-retrace data tokenize --target default --responses "$DATA/heldout-responses" --out "$RUNS/tok-heldout" \
+      --max-length 1024
+}
 case "$STEP" in
   breadth-data) breadth_data "$@" ;;
+  breadth-heldout) breadth_heldout "$@" ;;
   breadth-continue) breadth_run breadth-continue --init-from hf_retrace/default_drafter --lr "${LR:-6e-4}" \
       --draft-vocab-size 8960 --seed 1 "$@" ;;
   breadth-scratch) breadth_run breadth-scratch --block-size 8 --num-layers 1 --target-layer-ids 1,8,14,20,27 \
@@ -135,5 +144,5 @@ case "$STEP" in
   retrace) retrace "$@" ;;
   all) tokenize; features --limit "$SEQUENCES"; backbone "$@"; export_run; calibrate ;;
   *) echo "unknown step $STEP (tokenize | features | backbone | continue | export | calibrate | all | retrace |" \
-          "breadth-data | breadth-continue | breadth-scratch | breadth-calibrate)" >&2; exit 2 ;;
+          "breadth-data | breadth-continue | breadth-scratch | breadth-calibrate | breadth-heldout)" >&2; exit 2 ;;
 esac
