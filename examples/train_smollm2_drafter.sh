@@ -11,13 +11,17 @@
 # module on the shipped, frozen backbone: docs/retrace/retrace-vs-backbone.md; not part of `all`, it ships off).
 #
 # The breadth drafter (issue 22: code and second turns beside math and first turns), on the answers of
-# examples/make_drafter_data.sh in $HF_RETRACE_DATA (default ~/.cache/hf_retrace_data):
+# examples/make_drafter_data.sh in $HF_RETRACE_DATA (default ~/.cache/hf_retrace_data). The shipped drafter since
+# 2026-12-03 is breadth-continue's, calibrated by breadth-calibrate. On a 2-core Xeon with AMX it took: the answers
+# 2 h 45 min (WORKERS=2), breadth-data ~35 min, the two runs side by side 77 min (THREADS=1 each), calibration 10 min:
 #   breadth-data      tokenize the shipped answers, then the new ones, leaving out the prompts rounds are recorded
 #                     on (round-record-prompts.jsonl, examples/round_record_prompts.py --prompts-dir); run it again
 #                     as more answers arrive: the folder grows and the features keep their shards
 #   breadth-continue  the shipped drafter fine-tuned on all of it (RUN=$RUNS/breadth-continue), its draft vocabulary
 #                     re-selected from all of it (the shipped one covers 99.1 % of the shipped answers' response
 #                     tokens but 91.3 % of the new ones'; the 8,960 most frequent of all: 97.5 % of the new)
+#                     (INIT=folder to start elsewhere: the shipped drafter was continued from the one before it,
+#                     `git archive f061c43 hf_retrace/default_drafter | tar -x -C /tmp`, INIT=/tmp/hf_retrace/default_drafter)
 #   breadth-scratch   the same shape from scratch, the same steps (RUN=$RUNS/breadth-scratch)
 #   breadth-calibrate DRAFTER=folder: its rounds recorded on the 48 held-out prompts of every kind (--write)
 #   breadth-heldout   the target's own answers to those 48 prompts, tokenized into $RUNS/tok-heldout: ReTrace's bound
@@ -128,7 +132,7 @@ breadth_heldout() {
 case "$STEP" in
   breadth-data) breadth_data "$@" ;;
   breadth-heldout) breadth_heldout "$@" ;;
-  breadth-continue) breadth_run breadth-continue --init-from hf_retrace/default_drafter --lr "${LR:-6e-4}" \
+  breadth-continue) breadth_run breadth-continue --init-from "${INIT:-hf_retrace/default_drafter}" --lr "${LR:-6e-4}" \
       --draft-vocab-size 8960 --seed 1 "$@" ;;
   breadth-scratch) breadth_run breadth-scratch --block-size 8 --num-layers 1 --target-layer-ids 1,8,14,20,27 \
       --draft-vocab-size 8960 --lr "${LR:-1e-3}" --seed 0 "$@" ;;
