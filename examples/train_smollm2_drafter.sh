@@ -20,8 +20,9 @@
 #   breadth-continue  the shipped drafter fine-tuned on all of it (RUN=$RUNS/breadth-continue), its draft vocabulary
 #                     re-selected from all of it (the shipped one covers 99.1 % of the shipped answers' response
 #                     tokens but 91.3 % of the new ones'; the 8,960 most frequent of all: 97.5 % of the new)
-#                     (INIT=folder to start elsewhere: the shipped drafter was continued from the one before it,
-#                     `git archive f061c43 hf_retrace/default_drafter | tar -x -C /tmp`, INIT=/tmp/hf_retrace/default_drafter)
+#                     (INIT=folder to start elsewhere; the shipped drafter was continued from the one before it:
+#                     `git archive f061c43 hf_retrace/default_drafter | tar -x -C /tmp`,
+#                     INIT=/tmp/hf_retrace/default_drafter)
 #   breadth-scratch   the same shape from scratch, the same steps (RUN=$RUNS/breadth-scratch)
 #   breadth-calibrate DRAFTER=folder: its rounds recorded on the 48 held-out prompts of every kind (--write)
 #   breadth-heldout   the target's own answers to those 48 prompts, tokenized into $RUNS/tok-heldout: ReTrace's bound
