@@ -43,6 +43,8 @@ SEQUENCES=${SEQUENCES:-2048}   # sequences trained on (the features of the first
 DATA=${HF_RETRACE_DATA:-$HOME/.cache/hf_retrace_data}
 BTOK=$RUNS/tok-breadth
 BFEATS=$RUNS/feats-breadth
+STOK=$RUNS/tok-shared
+SFEATS=$RUNS/feats-shared
 mkdir -p "$RUNS"
 
 tokenize() {
@@ -130,6 +132,32 @@ breadth_heldout() {
   hf-retrace data tokenize --target default --responses "$DATA/heldout-responses" --out "$RUNS/tok-heldout" \
       --max-length 1024
 }
+shared_data() {
+  # issue 36's shape A/B: the 5,014 answers of \$SHARED_ANSWERS (the data folder's target/ file), the round-record
+  # prompts left out, and their features (~10 min on a Xeon with AMX)
+  : "${HF_RETRACE_TARGET_ANSWERS:?set it to the JSONL of the shipped answers of the target}"
+  hf-retrace data tokenize --target default --responses "$HF_RETRACE_TARGET_ANSWERS" --out "$STOK" --max-length 1024 \
+      --exclude-ids "$DATA/round-record-prompts.jsonl"
+  hf-retrace data features --target default --data "$STOK" --out "$SFEATS" --target-layer-ids 1,8,14,20,27 \
+      --dtype auto --storage-dtype bfloat16 --max-batch-tokens 4096 "$@"
+}
+shape_run() {  # shape_run LAYERS BLOCK GAMMA FLAGS...: one arm of the shape A/B, from scratch, RUN=$RUNS/shape-lL-bB
+  # DFlash's recipe where a CPU allows it (lr 6e-4, cosine after a 4 % warmup, grad clip 1.0, gamma 4 at block 8 and
+  # 7 at block 16, the five evenly spaced tapped layers); 48 anchors a sequence (DFlash: 512), 3 epochs (DFlash: 6).
+  # Run the arms side by side, THREADS=1 each, so equal minutes are equal conditions.
+  local layers=$1 block=$2 gamma=$3 precision=(--target-dtype float32)
+  shift 3
+  if python -c "import sys; from hf_retrace.machine import has_bf16_units; sys.exit(not has_bf16_units())"; then
+    precision=(--target-dtype bfloat16 --bf16)
+  fi
+  hf-retrace train --stage backbone --target default --data "$STOK" --features-dir "$SFEATS" \
+      --out "$RUNS/shape-l$layers-b$block" --resume --num-layers "$layers" --block-size "$block" --gamma "$gamma" \
+      --target-layer-ids 1,8,14,20,27 --draft-vocab-size 8960 --num-anchors 48 --batch-size 2 --grad-accum 2 \
+      --lr "${LR:-6e-4}" --warmup-ratio 0.04 --max-grad-norm 1.0 --epochs "${EPOCHS:-3}" --seed 0 \
+      --num-threads "${THREADS:-1}" "${precision[@]}" --save-dtype bfloat16 \
+      --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-300}" --eval-limit 8 \
+      --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
+}
 case "$STEP" in
   breadth-data) breadth_data "$@" ;;
   breadth-heldout) breadth_heldout "$@" ;;
@@ -140,6 +168,8 @@ case "$STEP" in
   breadth-calibrate) hf-retrace calibrate --target default --drafter "${DRAFTER:?set DRAFTER to the drafter folder}" \
       --prompts "$DATA/round-record-prompts.jsonl" --limit 48 --max-new-tokens 128 --num-threads 2 \
       --json "$RUNS/calibration-breadth.json" --write "$@" ;;
+  shared-data) shared_data "$@" ;;
+  shape) shape_run "$@" ;;
   tokenize) tokenize ;;
   features) features "$@" ;;
   backbone) backbone "$@" ;;
@@ -149,5 +179,5 @@ case "$STEP" in
   retrace) retrace "$@" ;;
   all) tokenize; features --limit "$SEQUENCES"; backbone "$@"; export_run; calibrate ;;
   *) echo "unknown step $STEP (tokenize | features | backbone | continue | export | calibrate | all | retrace |" \
-          "breadth-data | breadth-continue | breadth-scratch | breadth-calibrate | breadth-heldout)" >&2; exit 2 ;;
+          "breadth-data | breadth-continue | breadth-scratch | breadth-calibrate | breadth-heldout | shared-data | shape)" >&2; exit 2 ;;
 esac

@@ -10,11 +10,11 @@ from transformers import AutoConfig, AutoModel
 from .configuration import ReTraceConfig
 from .generation import attach, detach
 from .generation.dispatch import install as _install_dispatch
-from .generation.policy import RoundPolicy, set_policy_resolver
+from .generation.policy import RoundPolicy, set_call_observer, set_policy_resolver
 from .modeling import ReTraceDrafter
 from .retrace import RejectedSuffix
 from .stats import GenerationStats
-from .tuning.auto import auto_policy
+from .tuning.auto import auto_policy, note_realized
 
 __version__ = "0.1.0"
 
@@ -22,5 +22,6 @@ AutoConfig.register(ReTraceConfig.model_type, ReTraceConfig, exist_ok=True)
 AutoModel.register(ReTraceConfig, ReTraceDrafter, exist_ok=True)
 GLOBAL_DISPATCH = _install_dispatch()
 set_policy_resolver(auto_policy)  # a call without its own policy gets the one tuned for this machine
+set_call_observer(note_realized)  # the tuned prediction is checked against the first real calls
 
 __all__ = ["GenerationStats", "ReTraceConfig", "ReTraceDrafter", "RejectedSuffix", "RoundPolicy", "attach", "detach"]

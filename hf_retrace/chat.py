@@ -15,7 +15,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["chat_messages", "has_chat_template", "prompt_token_ids", "render_chat", "render_prompt"]
+__all__ = ["chat_messages", "has_chat_template", "humaneval_prompt", "prompt_token_ids", "render_chat", "render_prompt"]
+
+# DFlash's HumanEval instruction (its ``benchmark.py``): the benchmark's ``humaneval`` set and training's code prompts
+_HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{code}\n```"
+
+
+def humaneval_prompt(code: str) -> str:
+    """A HumanEval problem's user turn: ``code`` (imports, signature, docstring) wrapped in DFlash's instruction."""
+    return _HUMANEVAL.format(code=code)
 
 
 def has_chat_template(tokenizer: Any) -> bool:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 # load_target stays importable from here for scripts written against earlier versions
 from .loading import (  # noqa: F401
-    MAX_NEW_TOKENS, SHORT_DTYPES, add_device_arguments, dtype_arg, load_drafter, load_pair, load_target, torch_dtype,
+    MAX_NEW_TOKENS, SHORT_DTYPES, ModelLoadError, add_device_arguments, drafter_arg, dtype_arg, load_drafter, load_pair,
+    load_target, target_arg, torch_dtype,
 )
 
 
@@ -58,14 +60,21 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from .tuning.auto import tune_and_cache
-    from .tuning.report import print_tuning
+    from .tuning.auto import cache_line, records_of, tune_and_cache
+    from .tuning.report import print_tuning, print_verification
+    from .tuning.verify import verify_tuning
 
     target, _, drafter = load_pair(args.target, args.drafter, args.dtype, device=args.device,
                                    device_map=args.device_map)
     result, path = tune_and_cache(target, drafter)
     print_tuning(result)
-    print(f"[hf-retrace] cached in {path}: every later generate with this target, drafter, dtype and machine uses it")
+    print(f"[hf-retrace] {cache_line(result, path)}")
+    if args.verify:
+        records = records_of(drafter)
+        if records is None:
+            print("[hf-retrace] --verify: the drafter ships no recorded rounds, so there are no prompts to verify on")
+        else:
+            print_verification(verify_tuning(target, drafter, result, records))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=2)
@@ -78,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="answer a prompt with and without the drafter; print tau and both speeds")
     gen.add_argument("prompt")
-    gen.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
-    gen.add_argument("--drafter", default=None, help="Hub id or folder (default: the drafter shipped for it)")
+    gen.add_argument("--target", type=target_arg, default=None,
+                     help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    gen.add_argument("--drafter", type=drafter_arg, default=None,
+                     help="Hub id or folder (default: the drafter shipped for it)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=0)
@@ -91,16 +102,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = sub.add_parser("tune", help="measure this machine's round costs, replay the drafter's recorded rounds and "
                           "cache the round policy every later generate uses (done at first use otherwise)")
-    tune.add_argument("--target", default=None, help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
-    tune.add_argument("--drafter", default=None, help="Hub id or folder (default: the drafter shipped for it)")
+    tune.add_argument("--target", type=target_arg, default=None,
+                      help="Hub id or folder (default: embedded SmolLM2-135M-Instruct)")
+    tune.add_argument("--drafter", type=drafter_arg, default=None,
+                      help="Hub id or folder (default: the drafter shipped for it)")
     tune.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
     add_device_arguments(tune)
     tune.add_argument("--json", default=None, help="also write the result (costs, tables, choices) to this file; "
                       "HF_RETRACE_POLICY=FILE uses it")
+    tune.add_argument("--verify", action="store_true", help="then run a short real A/B (plain, the choice, the "
+                      "runner-up) on the drafter's recorded prompts and print predicted against realized speed-ups")
     tune.set_defaults(func=cmd_tune)
 
     exp = sub.add_parser("export", help="write a drafter's DFlash backbone in the z-lab layout (vLLM, SGLang, dflash)")
-    exp.add_argument("--drafter", default=None, help="folder or Hub id (default: the drafter shipped here)")
+    exp.add_argument("--drafter", type=drafter_arg, default=None,
+                     help="folder or Hub id (default: the drafter shipped here)")
     exp.add_argument("--out", required=True, help="an empty or new folder")
     exp.add_argument("--layout", choices=("zlab",), default="zlab", help="the layout written (z-lab's DFlash)")
     exp.add_argument("--dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16",
@@ -119,6 +135,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_environment(args: argparse.Namespace) -> None:
+    """The settings a command reads from the environment, checked before any model loads: the cache folder, and for
+    generate ``HF_RETRACE_POLICY`` (a bad value would otherwise fail after the plain run)."""
+    from .defaults import cache_root_problem
+    from .tuning.auto import POLICY_ENV_VAR, env_policy
+
+    problem = cache_root_problem()
+    if problem is not None:
+        raise SystemExit(f"hf-retrace {args.command}: {problem}.")
+    if args.command == "generate" and os.environ.get(POLICY_ENV_VAR, "").strip() not in ("shipped", "off"):
+        try:  # auto, or a file: read now (shipped and off need the drafter, and are always valid)
+            env_policy(None, args.temperature > 0)
+        except ValueError as error:
+            raise SystemExit(f"hf-retrace generate: {error}") from None
+
+
 def validate_generate_args(args: argparse.Namespace) -> None:
     if not args.prompt.strip():
         raise SystemExit("hf-retrace generate: the prompt is empty; pass some text to answer.")
@@ -127,13 +159,26 @@ def validate_generate_args(args: argparse.Namespace) -> None:
                          f"got {args.max_new_tokens}.")
     if args.temperature < 0:
         raise SystemExit(f"hf-retrace generate: --temperature must be >= 0, got {args.temperature}.")
+    _check_environment(args)
+
+
+def validate_tune_args(args: argparse.Namespace) -> None:
+    from .training.cli.checks import check_writable
+
+    if args.json:  # written after the tuning: a path it cannot write would cost the whole measurement
+        check_writable(args.json, "--json", "the tuning result")
+    _check_environment(args)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "generate":
-        validate_generate_args(args)
-    return int(args.func(args) or 0)
+    validate = {"generate": validate_generate_args, "tune": validate_tune_args}.get(args.command)
+    if validate is not None:
+        validate(args)
+    try:
+        return int(args.func(args) or 0)
+    except ModelLoadError as error:  # what the user named cannot load: one line, no traceback
+        raise SystemExit(f"hf-retrace {args.command}: {error}") from None
 
 
 if __name__ == "__main__":  # pragma: no cover

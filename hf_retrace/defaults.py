@@ -74,6 +74,20 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path.home() / ".cache" / "hf_retrace"
 
 
+def cache_root_problem() -> str | None:
+    """What keeps the hf_retrace cache folder (:func:`cache_root`) from being used: a path that is a file, or one that
+    cannot be created; None when it is, or can become, a folder."""
+    root = cache_root()
+    setting = f"{CACHE_ENV_VAR}={os.environ[CACHE_ENV_VAR]}" if os.environ.get(CACHE_ENV_VAR) else "the cache folder"
+    fix = f"set {CACHE_ENV_VAR} to a folder (created when missing), or unset it for ~/.cache/hf_retrace"
+    existing = next((p for p in (root, *root.parents) if p.exists()), None)
+    if existing == root and not root.is_dir():
+        return f"{setting}: {root} is not a folder (the converted default target and tuned policies live there): {fix}"
+    if existing is not None and existing != root and (not existing.is_dir() or not os.access(existing, os.W_OK)):
+        return f"{setting}: {root} cannot be created ({existing} is not a writable folder): {fix}"
+    return None
+
+
 def _converted_dir(cache_dir) -> Path:
     return cache_root(cache_dir) / DEFAULT_TARGET_DIRNAME
 

@@ -9,9 +9,13 @@ accepted everywhere as the same names.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
+import re
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: `import hf_retrace` has already imported torch (through transformers)
@@ -78,6 +82,119 @@ def portable_path(text: str) -> str:
     return str(text).replace(str(Path.home()), "~")
 
 
+class ModelLoadError(OSError):
+    """A target or drafter that cannot be loaded from what the user named: the message says which, why, and what to
+    do (the commands print it as one line)."""
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?(?:/[A-Za-z0-9](?:[\w.-]*[A-Za-z0-9])?)?")
+_WEIGHTS = {"drafter": ("model.safetensors",),  # the drafter reads safetensors only (never a pickle)
+            "target": ("model.safetensors", "pytorch_model.bin")}
+
+
+def _weights_problem(folder: Path, kind: str) -> str | None:
+    """What keeps the weights of a saved model ``folder`` from loading (missing, a shard missing, a safetensors file
+    cut short), naming the file; None when they look whole. Cheap: only headers are read."""
+    from safetensors import safe_open
+
+    files: list[Path] = []
+    for name in _WEIGHTS[kind]:
+        index = folder / f"{name}.index.json"
+        if (folder / name).is_file():
+            files = [folder / name]
+        elif index.is_file():
+            try:
+                shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+                return f"{index} cannot be read ({error}): it is damaged; copy the folder again"
+            missing = [shard for shard in shards if not (folder / shard).is_file()]
+            if missing:
+                return f"{index.name} lists {', '.join(missing)}, missing from {folder}: copy the folder again"
+            files = [folder / shard for shard in shards]
+        if files:
+            break
+    else:
+        wanted = " or ".join(_WEIGHTS[kind])
+        return f"no weights in {folder} (no {wanted}): the save did not finish, or this is not a {kind} folder"
+    for file in files:
+        if file.suffix != ".safetensors":
+            continue
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as error:  # noqa: BLE001 - SafetensorError and OSError alike: the file cannot be read
+            return (f"the weights file {file} cannot be read ({error}): it is damaged or was cut short (an "
+                    "interrupted download, copy or save); copy the folder again")
+    return None
+
+
+def model_source_problem(source: str, kind: str) -> str | None:
+    """What is wrong with ``source`` as the ``kind`` ("target" / "drafter") to load, before anything loads: a path that
+    does not exist, a file, a folder without a readable config.json or whole weights; None for a folder that looks
+    loadable, "default", or a Hub id (the Hub answers for those when loading)."""
+    if source == "default":
+        return None
+    path = Path(source).expanduser()
+    if not path.exists():
+        if _HUB_ID.fullmatch(source) and not source.startswith(".") and ".." not in source:
+            return None
+        return f"{source}: no such folder (nor a Hub id, which reads name or namespace/name)"
+    if not path.is_dir():
+        return f"{source} is a file: pass the folder that holds the {kind}'s config.json and weights, or a Hub id"
+    config = path / "config.json"
+    if not config.is_file():
+        contents = "it is empty" if not any(path.iterdir()) else "it has no config.json"
+        return f"{source} is not a saved {kind} ({contents}): pass the folder save_pretrained wrote, or a Hub id"
+    try:
+        fields = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"{config} cannot be read ({error}): it is damaged; copy the folder again, or save the {kind} again"
+    if not isinstance(fields, dict):
+        return f"{config} holds no {kind} configuration (a JSON object of its settings): copy the folder again"
+    return _weights_problem(path, kind)
+
+
+def check_model_source(source: str | None, kind: str) -> None:
+    """Raise a :class:`ModelLoadError` saying what is wrong with ``source`` (:func:`model_source_problem`); ``None``
+    is the embedded default."""
+    problem = None if source is None else model_source_problem(str(source), kind)
+    if problem is not None:
+        raise ModelLoadError(problem + ".")
+
+
+def _model_source_arg(text: str, kind: str) -> str:
+    problem = model_source_problem(text, kind)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
+def target_arg(text: str) -> str:
+    """``argparse`` type of every ``--target``: a folder that looks loadable, a Hub id, or "default"
+    (:func:`model_source_problem`)."""
+    return _model_source_arg(text, "target")
+
+
+def drafter_arg(text: str) -> str:
+    """``argparse`` type of every ``--drafter``-like flag: a drafter folder that looks loadable, a Hub id, or
+    "default" (:func:`model_source_problem`)."""
+    return _model_source_arg(text, "drafter")
+
+
+@contextlib.contextmanager
+def _loading(kind: str, source: Any) -> Iterator[None]:
+    """Turn a failure to load the ``kind`` named by ``source`` into a :class:`ModelLoadError` naming both."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, SafetensorError) as error:
+        name = "the embedded default" if source in (None, "default") else source
+        raise ModelLoadError(f"could not load the {kind} {name}: {str(error).strip().rstrip('.')}.") from error
+
+
 def resolve_target(target: str | None) -> str:
     """A loadable target path or Hub id: ``None`` / "default" is the embedded default (converted once, offline)."""
     if target in (None, "default"):
@@ -100,7 +217,9 @@ def load_target(target: str | None, dtype: str | torch.dtype = "bf16", quantizat
 
     if device is not None and device_map is not None:
         raise ValueError("pass either a device or a device_map, not both.")
-    path = resolve_target(target)
+    check_model_source(target, "target")
+    with _loading("target", target):
+        path = resolve_target(target)
     dt = torch_dtype(dtype)
     kwargs: dict[str, Any] = {"dtype": dt}
     move_to = None  # a device the target is moved to after loading (no accelerate to load it there directly)
@@ -117,13 +236,15 @@ def load_target(target: str | None, dtype: str | torch.dtype = "bf16", quantizat
         bits = {"8bit": dict(load_in_8bit=True), "4bit": dict(load_in_4bit=True, bnb_4bit_compute_dtype=dt)}
         kwargs["quantization_config"] = BitsAndBytesConfig(**bits[quantization])
         kwargs.setdefault("device_map", "cpu")  # bitsandbytes places weights while loading: say where
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    with _loading("target", target):
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
     if move_to is not None:
         model.to(move_to)
     if frozen:
         for p in model.parameters():
             p.requires_grad_(False)
-    return model, AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
 
 
 def load_drafter(drafter: str | None, dtype: str | torch.dtype = "bf16", device: str | torch.device | None = None,
@@ -133,8 +254,10 @@ def load_drafter(drafter: str | None, dtype: str | torch.dtype = "bf16", device:
     from . import defaults
     from .modeling import ReTraceDrafter
 
-    path = defaults.default_drafter_path() if drafter in (None, "default") else drafter
-    model = ReTraceDrafter.from_pretrained(path, dtype=torch_dtype(dtype)).eval()
+    check_model_source(drafter, "drafter")
+    with _loading("drafter", drafter):
+        path = defaults.default_drafter_path() if drafter in (None, "default") else drafter
+        model = ReTraceDrafter.from_pretrained(path, dtype=torch_dtype(dtype)).eval()
     if device is not None:
         model.to(device)
     return compile_drafter(model) if compile else model
@@ -144,13 +267,15 @@ def load_pair(target: str | None, drafter: str | None, dtype: str | torch.dtype 
               quantization: str | None = None, device: str | torch.device | None = None, device_map: Any = None,
               compile: bool = False):
     """(target, tokenizer, drafter); ``None`` or "default" picks the embedded default for either. The target goes to
-    ``device`` or ``device_map`` (:func:`load_target`), the drafter to the device of its input embeddings."""
+    ``device`` or ``device_map`` (:func:`load_target`), the drafter to the device of its input embeddings. The
+    drafter's configuration is read first: a drafter that cannot load fails before the target loads."""
+    from . import defaults
+    from .configuration import ReTraceConfig
     from .generation.placement import embedding_device
 
-    if drafter in (None, "default"):
-        from . import defaults
-
-        defaults.default_drafter_path()  # fail before the target is loaded when no drafter ships
+    check_model_source(drafter, "drafter")
+    with _loading("drafter", drafter):
+        ReTraceConfig.from_pretrained(defaults.default_drafter_path() if drafter in (None, "default") else drafter)
     model, tokenizer = load_target(target, dtype, quantization, device=device, device_map=device_map)
     return model, tokenizer, load_drafter(drafter, dtype, device=embedding_device(model), compile=compile)
 

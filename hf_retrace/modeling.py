@@ -149,9 +149,17 @@ class ReTraceDrafter(PreTrainedModel):
         """
         view = copy.copy(self)  # shares _parameters/_modules/_buffers; its own __dict__ for the policy
         view.round_policy = policy if policy is not None else self.round_policy
+        # checked and applied per call, before the target runs (generation.policy.resolve_policy: one rule for views)
         view.policy_changes = {**self.policy_changes, **changes}
-        if view.round_policy is not None and changes:
-            view.round_policy, view.policy_changes = view.round_policy.replace(**changes), {}
+        return view
+
+    drafter_source = None  # a view's own class for the drafter's rounds (with_drafter_source); None: DrafterSource
+
+    def with_drafter_source(self, source: Any) -> "ReTraceDrafter":
+        """This drafter (no copy) whose rounds propose through ``source``: a class taking
+        :class:`~hf_retrace.generation.drafter_source.DrafterSource`'s arguments, e.g. a test's fixed proposals."""
+        view = copy.copy(self)
+        view.drafter_source = source
         return view
 
     @property

@@ -17,6 +17,7 @@ from .chat import prompt_token_ids
 from .divergence import NEAR_TIE_ULPS, Divergence, find_divergence
 from .generation.policy import shipped_policy
 from .sampling import sampling_kwargs
+from .stats import speedup_over_plain, tokens_per_second_of
 
 
 @dataclass
@@ -30,7 +31,7 @@ class Run:
 
     @property
     def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+        return tokens_per_second_of(len(self.token_ids), self.seconds)
 
 
 @dataclass
@@ -64,8 +65,7 @@ class SideBySide:
     @property
     def speedup(self) -> float:
         """Drafted tokens/s over plain tokens/s (the two answers may differ in length at bf16 near-ties)."""
-        plain = self.plain.tokens_per_second
-        return self.drafted.tokens_per_second / plain if plain > 0 else 0.0
+        return speedup_over_plain(self.drafted.tokens_per_second, self.plain.tokens_per_second) or 0.0
 
     def as_dict(self) -> dict:
         return {

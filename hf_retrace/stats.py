@@ -1,4 +1,5 @@
-"""Per-call generation statistics; the acceptance length tau is defined here, once."""
+"""Per-call generation statistics; the acceptance length tau, tokens per second and the speed-up over plain decoding
+are defined here, once."""
 
 from __future__ import annotations
 
@@ -143,6 +144,18 @@ class GenerationStats:
             "policy": self.policy,
             "guard_plain_steps": self.guard_plain_steps,
         }
+
+
+def tokens_per_second_of(tokens: int, seconds: float) -> float:
+    """New tokens per wall-clock second (0 when no time was measured)."""
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def speedup_over_plain(tokens_per_second: float, plain_tokens_per_second: float) -> float | None:
+    """The speed-up: tokens per second over plain decoding's on the same prompts (None where either rate is 0)."""
+    if tokens_per_second <= 0 or plain_tokens_per_second <= 0:
+        return None
+    return tokens_per_second / plain_tokens_per_second
 
 
 class StatsSlot:

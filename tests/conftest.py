@@ -12,9 +12,9 @@ os.environ.setdefault("HF_RETRACE_POLICY", "shipped")
 
 import pytest
 import torch
-from helpers import ProposalPolicy
+from helpers import ProposalPolicy, scripted_source
 
-from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
+from hf_retrace import ReTraceDrafter
 
 # tiny models: one intra-op thread is fastest, and stays fast when another job holds the second core
 torch.set_num_threads(1)
@@ -22,20 +22,11 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def use_policy(monkeypatch):
-    """Install a ProposalPolicy on every ReTraceCandidateGenerator created during the test."""
+    """Every drafter of the test proposes a ProposalPolicy's tokens: the policy is injected as the drafters' source
+    (their ``drafter_source`` hook); for one drafter alone: ``drafter.with_drafter_source(scripted_source(p))``."""
 
     def install(policy: ProposalPolicy):
-        original = ReTraceCandidateGenerator._propose
-
-        def propose(self, input_ids, logits):
-            tokens, processed = original(self, input_ids, logits)
-            tokens = policy(input_ids, tokens.shape[1]).to(tokens.device)
-            if self.sampled_proposals:  # the returned proposal law must be the one the drafts came from: certain
-                processed = torch.full_like(processed, float("-inf"))
-                processed[0, torch.arange(tokens.shape[1]), tokens[0]] = 0.0
-            return tokens, processed
-
-        monkeypatch.setattr(ReTraceCandidateGenerator, "_propose", propose)
+        monkeypatch.setattr(ReTraceDrafter, "drafter_source", scripted_source(policy))
 
     return install
 

@@ -1,6 +1,6 @@
 """Helpers the tests import: tiny random targets and drafters built in the test, tokenizers, stopping criteria and
-controlled proposal policies. Fixtures live in ``conftest.py``; helpers here (pytest discovers conftest, tests import
-this module by name)."""
+controlled proposal policies (injected as drafter sources). Fixtures live in ``conftest.py``; helpers here (pytest
+discovers conftest, tests import this module by name)."""
 
 from __future__ import annotations
 
@@ -168,6 +168,60 @@ class ProposalPolicy:
             cut = int(torch.randint(0, num_drafts + 1, (1,), generator=self.generator))
             tokens = torch.cat([tokens[:cut], wrong[cut:]])
         return tokens[None]
+
+
+class ScriptedChoice:
+    """A drafter round's choice, with the tokens replaced by a :class:`ProposalPolicy`'s when one is given (the drafter
+    still runs: its cache, ReTrace's carry and the confidence cut see real blocks) and logged in a :class:`DraftLog`
+    when one is given. Under sampled proposals a replaced proposal's law is the one its drafts came from: certain."""
+
+    def __init__(self, choose, proposals: ProposalPolicy | None, log: "DraftLog | None"):
+        self.choose, self.proposals, self.log, self.sampled = choose, proposals, log, choose.sampled
+
+    def __call__(self, input_ids: torch.Tensor, logits: torch.Tensor):
+        tokens, processed = self.choose(input_ids, logits)
+        if self.proposals is not None:
+            tokens = self.proposals(input_ids, tokens.shape[1]).to(tokens.device)
+            if self.sampled:
+                processed = torch.full_like(processed, float("-inf"))
+                processed[0, torch.arange(tokens.shape[1]), tokens[0]] = 0.0
+        if self.log is not None:
+            self.log.choices.append((input_ids.shape[1], tokens[0].tolist()))
+        return tokens, processed
+
+
+class DraftLog:
+    """What a test's drafter sources saw: each round's drafts (host ids), each verdict on them as ``(accepted,
+    drafted, carry kept)``, each block the drafter chose as ``(sequence length, tokens)`` (also in the accelerator
+    order's rounds that lookup then wins), and the sources themselves (one per ``generate`` call)."""
+
+    def __init__(self):
+        self.drafts, self.verdicts, self.choices, self.sources = [], [], [], []
+
+
+def scripted_source(proposals: ProposalPolicy | None = None, log: DraftLog | None = None):
+    """A drafter source class (``drafter.with_drafter_source(...)``) whose blocks propose ``proposals``' tokens (the
+    drafter's own when None) and that records what it proposed and observed in ``log``."""
+    from hf_retrace.generation.drafter_source import DrafterSource
+
+    class ScriptedSource(DrafterSource):
+        def __init__(self, drafter, target, policy, stats, choose):
+            super().__init__(drafter, target, policy, stats, ScriptedChoice(choose, proposals, log))
+            if log is not None:
+                log.sources.append(self)
+
+        def propose(self, inputs):
+            proposal = super().propose(inputs)
+            if log is not None:
+                log.drafts.append(list(proposal.host_tokens))
+            return proposal
+
+        def observe(self, proposal, verdict):
+            super().observe(proposal, verdict)
+            if log is not None and proposal.source == self.name:
+                log.verdicts.append((verdict.accepted, len(proposal), self.carry))
+
+    return ScriptedSource
 
 
 class ListDataset(torch.utils.data.Dataset):

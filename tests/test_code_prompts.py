@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from hf_retrace.chat import humaneval_prompt
 from hf_retrace.training.data.code_prompts import (
-    HUMANEVAL_FORMAT,
     CodePrompt,
     SourceFile,
     benchmark_exclusions,
@@ -84,15 +84,20 @@ def test_a_function_renders_as_a_humaneval_prompt_with_the_imports_its_signature
     )
     # a relative import becomes absolute; the module's own constant is imported from it; a string annotation counts
     assert prompts["make_widget"].code.startswith("from pkg.sibling import Widget\nfrom pkg.tools import LIMIT\n\n\n")
-    assert prompts["close_pairs"].prompt == HUMANEVAL_FORMAT.format(prompt=prompts["close_pairs"].code)
+    assert prompts["close_pairs"].prompt == humaneval_prompt(prompts["close_pairs"].code)
     record = prompts["close_pairs"].record()
     assert record["id"] == "code:pkg.tools.close_pairs" and record["package"] == "pkg" and record["licence"] == "MIT"
 
 
-def test_the_wrapper_is_the_benchmark_format():
-    from hf_retrace.bench.datasets import HUMANEVAL_TEMPLATE
+def test_the_wrapper_is_the_benchmark_format(tmp_path):
+    """A code prompt is the user turn the benchmark renders for a HumanEval record with the same ``prompt``."""
+    from hf_retrace.bench.datasets import load_prompts
 
-    assert HUMANEVAL_FORMAT == HUMANEVAL_TEMPLATE
+    code = 'def add(a: int, b: int) -> int:\n    """Return the sum of a and b."""\n'
+    (tmp_path / "humaneval.jsonl").write_text(json.dumps({"task_id": "t/0", "prompt": code}) + "\n")
+    prompt = CodePrompt("code:m.add", code, "add", "Return the sum of a and b.", "m", "m", "MIT").prompt
+    assert load_prompts(tmp_path / "humaneval.jsonl")[0].turns == [prompt]
+    assert prompt.startswith("Write a solution to the following problem") and code in prompt
 
 
 def test_private_argumentless_trivial_and_overload_functions_are_skipped(tmp_path):
@@ -136,7 +141,7 @@ def test_benchmark_problems_are_excluded_by_name_and_by_docstring(tmp_path):
 
 
 def test_benchmark_prompts_in_the_dflash_format_are_read_too(tmp_path):
-    formatted = {"id": "h0", "prompt": HUMANEVAL_FORMAT.format(prompt=HUMANEVAL_RECORD["prompt"])}
+    formatted = {"id": "h0", "prompt": humaneval_prompt(HUMANEVAL_RECORD["prompt"])}
     bench = tmp_path / "humaneval.jsonl"
     bench.write_text(json.dumps(formatted) + "\n", encoding="utf-8")
     assert benchmark_exclusions([bench]).names == {"has_close_elements"}

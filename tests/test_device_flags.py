@@ -194,9 +194,14 @@ def test_the_verify_cost_timing_waits_for_the_device_around_every_forward(synchr
     import hf_retrace.tuning.costs as costs
 
     calls = synchronized(costs)
-    curve = costs.measure_verify_costs(tiny_target(dtype=torch.float32), 2, context_length=8, repeats=1)
+    target, timed_forwards = tiny_target(dtype=torch.float32), []
+    forward = target.forward
+    target.forward = lambda *args, **kwargs: (timed_forwards.append(calls.copy()), forward(*args, **kwargs))[1]
+    curve = costs.measure_verify_costs(target, 2, context_length=8, repeats=1)
     assert len(curve) == 3 and curve[0] == 1
-    assert len(calls) == 2 * (1 + 2 * 2)  # before and after each forward: a warm-up, then per k = 1, 2 a one-token and a k-token one
+    timed = timed_forwards[-(len(calls) // 2):]  # the probes' forwards (the context's prefill is not timed)
+    assert len(calls) == 2 * len(timed) and len(timed) >= 1 + 2 * 2  # a warm-up, then per k = 1, 2 a step and a verify
+    assert [len(before) for before in timed] == list(range(1, len(calls), 2))  # each one between its two syncs
 
 
 # --- --dtype auto (the batched data commands) -------------------------------------------------------------------------

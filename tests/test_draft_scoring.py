@@ -41,9 +41,9 @@ def test_generation_scores_and_proposes_as_the_direct_computation(pair):
     generator = ReTraceCandidateGenerator(drafter, target, config, None, prompt_length=5)
     hidden = torch.randn(1, 4, target.config.hidden_size, generator=torch.Generator().manual_seed(5))
     expected, vocab = _direct(target, drafter, hidden)
-    logits = generator._draft_logits(hidden)
+    logits = generator.drafter_source.draft_logits(hidden)
     torch.testing.assert_close(logits, expected)
-    tokens, _ = generator._propose(prompt, logits)
+    tokens, _ = generator.drafter_source.choose(prompt, logits)
     assert tokens.tolist() == vocab[expected.argmax(-1)].tolist()
     full = drafter.full_vocab_logits(logits, VOCAB)  # what the processors see: -inf outside the draft vocabulary
     assert full.shape == (1, 4, VOCAB) and torch.equal(full.argmax(-1), tokens)

@@ -25,10 +25,10 @@ def _refused(target, count_forwards, match, **kwargs):
     assert calls["n"] == 0, "the target ran before the error: work was done for nothing"
 
 
-def test_batch_larger_than_one(target, count_forwards):
+def test_right_padded_batch(target, count_forwards):  # a left-padded batch runs (issue 39, tests/test_batched.py)
     drafter = tiny_drafter(target)
-    batch = torch.randint(0, 95, (2, 6))
-    _refused(target, count_forwards, "one sequence at a time.*batch of 2", input_ids=batch, assistant_model=drafter)
+    batch, mask = torch.randint(0, 95, (2, 6)), torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    _refused(target, count_forwards, "not left padding", input_ids=batch, attention_mask=mask, assistant_model=drafter)
 
 
 def test_beam_search(target, prompt, count_forwards):
@@ -89,6 +89,12 @@ def test_padded_prompt(target, prompt, count_forwards):
     _refused(target, count_forwards, "padding", input_ids=prompt, attention_mask=mask, assistant_model=drafter)
 
 
+def test_assistant_tokenizer_is_refused_by_transformers_in_words(target, prompt, count_forwards):
+    """A drafter shares the target's vocabulary (checked): transformers itself says to drop the tokenizer pair."""
+    _refused(target, count_forwards, "`assistant_tokenizer` is not required", input_ids=prompt,
+             assistant_model=tiny_drafter(target), assistant_tokenizer=object(), tokenizer=object(), max_new_tokens=4)
+
+
 def test_drafter_generate_called_directly(target, prompt):
     drafter = tiny_drafter(target)
     with pytest.raises(TypeError, match="cannot generate on its own.*assistant_model=drafter"):
@@ -109,7 +115,8 @@ _V5 = hasattr(GenerationConfig(), "use_mtp")  # settings transformers 4.57 does 
 
 
 @pytest.mark.parametrize("setting", [{"prompt_lookup_num_tokens": 10}, {"assistant_early_exit": 2}]
-                         + ([{"use_mtp": True}] if _V5 else []))
+                         + ([{"use_mtp": True}] if _V5 else [])
+                         + ([{"speculation_type": "mtp"}] if hasattr(GenerationConfig(), "speculation_type") else []))
 def test_drafter_with_another_speculation_setting(target, prompt, count_forwards, setting):
     """A drafter plus another speculation setting is refused (it used to be silently preferred)."""
     drafter = tiny_drafter(target)

@@ -10,28 +10,27 @@ import json
 
 import pytest
 import torch
-from helpers import tiny_drafter, tiny_target
+from helpers import scripted_source, tiny_drafter, tiny_target
 from transformers import DynamicCache
 
 from hf_retrace import ReTraceDrafter
 from hf_retrace.cli import main
 from hf_retrace.export import ExportError, export_zlab
-from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 
 
-def _recorded_rounds(monkeypatch, target, drafter, prompt, max_new_tokens):
+def _recorded_rounds(target, drafter, prompt, max_new_tokens):
     """Run a real greedy generate with ``drafter`` and return (committed ids, our drafts) of every drafted round."""
     rounds = []
-    original = ReTraceCandidateGenerator.get_candidates
 
-    def recording(self, input_ids, *args, **kwargs):
-        candidates, logits = original(self, input_ids, *args, **kwargs)
-        rounds.append((input_ids.clone(), candidates[:, input_ids.shape[1]:].clone()))
-        return candidates, logits
+    class Recording(scripted_source()):
+        def propose(self, inputs):
+            proposal = super().propose(inputs)
+            rounds.append((inputs.sequence.clone(), proposal.tokens.clone()))
+            return proposal
 
-    monkeypatch.setattr(ReTraceCandidateGenerator, "get_candidates", recording)
-    target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
-    return [(ids, drafts) for ids, drafts in rounds[1:] if drafts.shape[1] > 0]  # round 0: the prefill
+    target.generate(prompt, assistant_model=drafter.with_drafter_source(Recording), max_new_tokens=max_new_tokens,
+                    do_sample=False)
+    return [(ids, drafts) for ids, drafts in rounds if drafts.shape[1] > 0]
 
 
 def _reference_drafts(reference, target, ids, num_drafts):
@@ -54,7 +53,7 @@ def _reference_drafts(reference, target, ids, num_drafts):
 
 
 @pytest.mark.parametrize("layers,block_size", [(1, 4), (2, 6)])
-def test_exported_drafter_drafts_equal_ours_under_the_reference_implementation(tmp_path, monkeypatch, layers, block_size):
+def test_exported_drafter_drafts_equal_ours_under_the_reference_implementation(tmp_path, layers, block_size):
     pytest.importorskip("dflash.model", reason="the reference implementation: pip install --no-deps dflash==0.1.0")
     from dflash.model import DFlashDraftModel
 
@@ -69,7 +68,7 @@ def test_exported_drafter_drafts_equal_ours_under_the_reference_implementation(t
     reference = DFlashDraftModel.from_pretrained(tmp_path / "zlab", dtype=torch.float64).eval()
     assert reference.block_size == block_size and reference.target_layer_ids == drafter.config.target_layer_ids
     prompt = torch.randint(0, target.config.vocab_size - 1, (1, 9), generator=torch.Generator().manual_seed(0))
-    rounds = _recorded_rounds(monkeypatch, target, drafter, prompt, max_new_tokens=40)
+    rounds = _recorded_rounds(target, drafter, prompt, max_new_tokens=40)
     assert len(rounds) >= 5
     with torch.no_grad():
         for ids, ours in rounds:

@@ -6,9 +6,7 @@ import random
 
 import pytest
 import torch
-from helpers import ProposalPolicy, tiny_drafter, tiny_target
-
-from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
+from helpers import ProposalPolicy, scripted_source, tiny_drafter, tiny_target
 
 NUM_CASES = 224
 _targets: dict = {}
@@ -48,9 +46,8 @@ def _case(index: int) -> dict:
 
 
 @pytest.mark.parametrize("index", range(NUM_CASES))
-def test_greedy_output_equals_plain_greedy(index, use_policy, monkeypatch):
+def test_greedy_output_equals_plain_greedy(index):
     case = _case(index)
-    monkeypatch.setattr(ReTraceCandidateGenerator, "one_transfer", case["one_transfer"])
     target = _target(case["family"], case["target_seed"])
     torch.manual_seed(case["seed"])
     prompt = torch.randint(0, target.config.vocab_size - 1, (1, case["prompt_length"]))
@@ -74,8 +71,10 @@ def test_greedy_output_equals_plain_greedy(index, use_policy, monkeypatch):
     drafter.config.lookup = case["lookup"]
     drafter.config.lookup_min_ngram, drafter.config.lookup_num_tokens = case["lookup_min_ngram"], case["lookup_num_tokens"]
     drafter.config.lookup_start_tokens = case["lookup_start_tokens"]
+    drafter = drafter.with_policy(one_transfer=case["one_transfer"])
     if case["policy"] != "drafter":
-        use_policy(ProposalPolicy(reference, case["policy"], target.config.vocab_size, seed=case["seed"]))
+        proposals = ProposalPolicy(reference, case["policy"], target.config.vocab_size, seed=case["seed"])
+        drafter = drafter.with_drafter_source(scripted_source(proposals))
     out = target.generate(prompt, assistant_model=drafter, **kwargs)
     assert out.tolist() == reference.tolist(), f"case {case}"
     stats = drafter.last_stats

@@ -3,7 +3,7 @@ reads the host what it needs in one transfer, and the stop check reads its verdi
 
 Counted on the CPU with ``examples/device_check.py``'s counter (a wrapper over ``item`` / ``tolist`` / ``__bool__`` /
 ``__int__`` / ``__float__`` / ``__index__`` active inside the counted methods only), with the accelerator's round order
-forced (``ReTraceCandidateGenerator.one_transfer``). The greedy-equality fuzzer runs both orders (tests/
+forced (the round policy's ``one_transfer``). The greedy-equality fuzzer runs both orders (tests/
 test_greedy_equality.py).
 """
 
@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import ProposalPolicy, scripted_source, tiny_drafter, tiny_target
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 from hf_retrace.generation.policy import RoundPolicy
 from hf_retrace.generation.stopping import PerTokenStopping
 
@@ -55,11 +54,10 @@ POLICIES = {
 
 
 @pytest.mark.parametrize("name", POLICIES)
-def test_a_round_reads_the_host_once_in_the_accelerator_order(models, monkeypatch, name):
+def test_a_round_reads_the_host_once_in_the_accelerator_order(models, name):
     target, drafter = models
     check = _device_check()
-    monkeypatch.setattr(ReTraceCandidateGenerator, "one_transfer", True)
-    view = drafter.with_policy(POLICIES[name])
+    view = drafter.with_policy(POLICIES[name].replace(one_transfer=True))
     sources = {"lookup": 0, "drafter": 0}
     for seed, loop in [(1, False), (2, True), (3, True), (4, False)]:
         prompt = _prompt(seed, loop)
@@ -77,13 +75,12 @@ def test_a_round_reads_the_host_once_in_the_accelerator_order(models, monkeypatc
         assert sources["lookup"] > 0, "the test must see lookup rounds"
 
 
-def test_the_cpu_order_and_the_accelerator_order_draft_the_same_blocks(models, monkeypatch):
+def test_the_cpu_order_and_the_accelerator_order_draft_the_same_blocks(models):
     """Same proposals, same verdicts: the order changes where the host reads, not what is drafted."""
     target, drafter = models
-    view = drafter.with_policy(POLICIES["default"])
     rounds = {}
     for one_transfer in (False, True):
-        monkeypatch.setattr(ReTraceCandidateGenerator, "one_transfer", one_transfer)
+        view = drafter.with_policy(POLICIES["default"].replace(one_transfer=one_transfer))
         shapes = []
         for seed, loop in [(5, False), (6, True)]:
             target.generate(_prompt(seed, loop), assistant_model=view, max_new_tokens=NEW, do_sample=False)
@@ -93,21 +90,21 @@ def test_the_cpu_order_and_the_accelerator_order_draft_the_same_blocks(models, m
     assert rounds[True] == rounds[False]
 
 
-def test_the_verdict_is_read_from_the_sequence_length(models, monkeypatch):
-    """update_candidate_strategy derives the accepted count from the committed length (no transfer); it must equal
-    the loop's own num_matches every round."""
+def test_the_verdict_is_read_from_the_sequence_length(models):
+    """The generator derives the accepted count from the committed length (no transfer); it must equal the drafts the
+    loop committed, read token by token (argmax proposals: the token after them is the target's own, not a draft's)."""
     target, drafter = models
     seen = []
-    original = ReTraceCandidateGenerator.update_candidate_strategy
 
-    def spy(self, input_ids, scores, num_matches):
-        draft = self.draft_round
-        if draft is not None:
-            seen.append((input_ids.shape[1] - draft.anchor_position - 2, int(num_matches)))
-        return original(self, input_ids, scores, num_matches)
+    class Checking(scripted_source()):
+        def observe(self, proposal, verdict):
+            super().observe(proposal, verdict)
+            committed = verdict.sequence[0, proposal.anchor + 1 :].tolist()
+            matched = next((i for i, (d, c) in enumerate(zip(proposal.host_tokens, committed)) if d != c),
+                           min(len(proposal), len(committed)))
+            seen.append((verdict.accepted, matched))
 
-    monkeypatch.setattr(ReTraceCandidateGenerator, "update_candidate_strategy", spy)
-    view = drafter.with_policy(POLICIES["default"])
+    view = drafter.with_policy(POLICIES["default"]).with_drafter_source(Checking)
     for seed, loop in [(7, False), (8, True)]:
         target.generate(_prompt(seed, loop), assistant_model=view, max_new_tokens=NEW, do_sample=False)
         target.generate(_prompt(seed, loop), assistant_model=view, max_new_tokens=NEW, do_sample=True, top_k=5)

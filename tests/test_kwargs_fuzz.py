@@ -28,6 +28,7 @@ import random
 
 import pytest
 import torch
+import transformers
 from helpers import (
     ProposalPolicy,
     StopAtLength,
@@ -46,13 +47,16 @@ from transformers import (
     StoppingCriteriaList,
     WatermarkingConfig,
 )
+from packaging import version
 from transformers.generation import SynthIDTextWatermarkingConfig
 
 VOCAB = 96  # the byte-level tokenizer's size, so that stop strings can be drawn
+HIDDEN = 32  # the tiny targets' hidden size
 NUM_CASES = 1100
 REFUSAL_SHARE = 0.1
 LONG_NEW_TOKENS = 2500
 _HAS = {name: hasattr(GenerationConfig(), name) for name in ("top_h", "use_mtp", "assistant_ensemble_weight")}
+_TRANSFORMERS_5 = version.parse(transformers.__version__).release >= (5,)  # 4.x: inputs_embeds refused with a drafter
 
 # settings drawn independently, each with its probability
 SETTINGS = {
@@ -85,6 +89,8 @@ SETTINGS = {
 EDGES = {
     "scores_criterion": 0.15,  # a stopping criterion that reads `scores` (return_dict_in_generate + output_scores)
     "continue_from_cache": 0.15,  # a stop at a drawn position, then plain generate continues from the returned cache
+    "inputs_embeds": 0.12,  # the prompt's embeddings (exact, or a soft prompt) with its ids: the target reads them
+    "output_attentions": 0.12,  # attentions returned per new token (eager targets: the weights; sdpa: none, as plain)
 }
 WARPERS = {"temperature": 0.5, "top_p": 0.3, "min_p": 0.2, "typical_p": 0.15, "epsilon_cutoff": 0.15,
            "eta_cutoff": 0.15, "top_h": 0.15}  # top_h: 5.x only (left out on 4.57; the draws stay the same)
@@ -105,8 +111,11 @@ def _refusals(prompt: torch.Tensor) -> dict[str, tuple[torch.Tensor, dict, str]]
         "dola_layers": (prompt, dict(dola_layers="high"), "dola_layers"),
         "prompt_lookup": (prompt, dict(prompt_lookup_num_tokens=3), "prompt_lookup_num_tokens=3"),
         "early_exit": (prompt, dict(assistant_early_exit=1), "assistant_early_exit=1"),
-        "batch": (prompt.repeat(2, 1), {}, "one sequence at a time"),
+        "batch": (prompt.repeat(2, 1), dict(return_dict_in_generate=True, output_scores=True), "output_scores"),
         "padding": (prompt, dict(attention_mask=padded), "padding"),
+        "inputs_embeds_only": (None, dict(inputs_embeds=torch.randn(1, prompt.shape[1], HIDDEN, dtype=torch.float64)),
+                               "inputs_embeds without input_ids"),
+        "empty_prompt": (prompt[:, :0], {}, "prompt is empty"),
     }
     # 5.x settings; transformers 4.57 refuses them itself, as unknown arguments, also before the target runs
     unknown = "not used by the model"
@@ -120,11 +129,12 @@ REFUSAL_NAMES = sorted(_refusals(torch.zeros(1, 2, dtype=torch.long)))
 _targets: dict = {}
 
 
-def _target(family: str, seed: int, max_position_embeddings: int = 512):
-    key = (family, seed, max_position_embeddings)
+def _target(family: str, seed: int, max_position_embeddings: int = 512, attention: str = "sdpa"):
+    key = (family, seed, max_position_embeddings, attention)
     if key not in _targets:
-        _targets[key] = tiny_target(family=family, vocab_size=VOCAB, num_layers=3, hidden_size=32, seed=seed,
+        _targets[key] = tiny_target(family=family, vocab_size=VOCAB, num_layers=3, hidden_size=HIDDEN, seed=seed,
                                     logit_scale=4.0, max_position_embeddings=max_position_embeddings)
+        _targets[key].set_attn_implementation(attention)
     return _targets[key]
 
 
@@ -158,6 +168,9 @@ def _case(index: int) -> dict:
     )
     edges = random.Random(f"edges-{index}")
     case["edges"] = sorted(name for name, p in EDGES.items() if edges.random() < p)
+    inputs = random.Random(f"inputs-{index}")  # a seed of its own: every earlier draw stays as it was
+    case["attention"] = inputs.choice(["sdpa", "eager"]) if "output_attentions" in case["edges"] else "sdpa"
+    case["soft_prompt"] = "inputs_embeds" in case["edges"] and inputs.random() < 0.5
     if "exponential_decay_length_penalty" in case["settings"] and case["eos"] is None:
         case["eos"] = "one"  # the penalty raises the EOS logit: it needs one
     if "suppress_draft_vocabulary" in case["settings"]:
@@ -278,7 +291,21 @@ def _settings(case: dict, prompt: torch.Tensor, base: list[int], draft_vocab: li
         kwargs["return_dict_in_generate"] = True
     if criteria:
         kwargs["stopping_criteria"] = StoppingCriteriaList(criteria)
+    if "output_attentions" in case["edges"]:
+        kwargs.update(return_dict_in_generate=True, output_attentions=True)
     return kwargs
+
+
+def _inputs(case: dict, target, prompt: torch.Tensor) -> dict:
+    """The prompt as ``generate`` takes it: its ids, or (``inputs_embeds``) its ids with its embeddings, exact or moved
+    off every row of the table (a soft prompt)."""
+    if "inputs_embeds" not in case["edges"]:
+        return dict(input_ids=prompt)
+    embeds = target.get_input_embeddings()(prompt).detach()
+    if case["soft_prompt"]:
+        noise = torch.randn(embeds.shape, generator=torch.Generator().manual_seed(case["index"]), dtype=embeds.dtype)
+        embeds = embeds + 0.5 * noise
+    return dict(input_ids=prompt, inputs_embeds=embeds)
 
 
 _TOKENIZER: list = []
@@ -323,7 +350,7 @@ def _describe(case: dict, kwargs: dict) -> str:
 @pytest.mark.parametrize("index", range(NUM_CASES))
 def test_kwargs_case(index, use_policy, count_forwards):
     case = _case(index)
-    target = _target(case["family"], case["target_seed"])
+    target = _target(case["family"], case["target_seed"], attention=case["attention"])
     prompt = _prompt(case)
     drafter = _drafter(case, target)
 
@@ -335,19 +362,25 @@ def test_kwargs_case(index, use_policy, count_forwards):
         assert forwards["n"] == 0, f"the target ran before the refusal: {case}"
         return
 
+    if "inputs_embeds" in case["edges"] and not _TRANSFORMERS_5:
+        forwards = count_forwards(target)
+        with pytest.raises(ValueError, match="inputs_embeds with a drafter needs transformers 5"):
+            target.generate(assistant_model=drafter, max_new_tokens=4, **_inputs(case, target, prompt))
+        assert forwards["n"] == 0, f"the target ran before the refusal: {case}"
+        return
     length = dict(max_new_tokens=case["new_tokens"])
     base = target.generate(prompt, do_sample=False, **length)[0, prompt.shape[1] :].tolist()
     draft_vocab = None if drafter.draft_vocab is None else drafter.draft_vocab.tolist()
-    kwargs = _settings(case, prompt, base, draft_vocab)
+    kwargs = _settings(case, prompt, base, draft_vocab) | _inputs(case, target, prompt)
     try:
-        reference = target.generate(prompt, **kwargs)
+        reference = target.generate(**kwargs)
     except Exception as error:  # noqa: BLE001 - plain generate's own failure (e.g. 4.57's NaN exponential decay)
         with pytest.raises(Exception):  # noqa: B017 - it must fail with the drafter too, never return something
-            target.generate(prompt, assistant_model=drafter, **kwargs)
+            target.generate(assistant_model=drafter, **kwargs)
         pytest.skip(f"plain generate fails on this combination ({type(error).__name__}: {error}); so does ours")
     if case["policy"] != "drafter":
         use_policy(ProposalPolicy(_sequences(reference), case["policy"], VOCAB, seed=index))
-    out = target.generate(prompt, assistant_model=drafter, **kwargs)
+    out = target.generate(assistant_model=drafter, **kwargs)
     assert _sequences(out).tolist() == _sequences(reference).tolist(), _describe(case, kwargs)
     if kwargs.get("output_scores"):
         for name in ("scores", "logits") if kwargs.get("output_logits") else ("scores",):
@@ -356,11 +389,30 @@ def test_kwargs_case(index, use_policy, count_forwards):
             for step, (a, b) in enumerate(zip(ours, theirs)):  # NaN in both where 4.57's exponential decay meets
                 message = f"{name}[{step}] {_describe(case, kwargs)}"  # a -inf EOS logit
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, equal_nan=True, msg=message)
+    if kwargs.get("output_attentions"):
+        _assert_attentions_equal(out.attentions, reference.attentions, _describe(case, kwargs))
     stats = drafter.last_stats
     assert stats.new_tokens == _sequences(out).shape[1] - prompt.shape[1]
     assert sum(stats.acceptance_lengths) <= stats.new_tokens - 1 or stats.new_tokens == 1, "tau counts cut tokens"
     if "continue_from_cache" in case["edges"]:
         _assert_continues_as_plain(target, out, reference, _describe(case, kwargs))
+
+
+def _assert_attentions_equal(ours: tuple, theirs: tuple, description: str) -> None:
+    """One entry per new token, one per layer: the weights within float32 softmax rounding, or none where plain has
+    none (sdpa)."""
+    assert len(ours) == len(theirs), f"attentions: {len(ours)} steps, plain {len(theirs)}\n{description}"
+    for step, (a_step, b_step) in enumerate(zip(ours, theirs)):
+        assert (a_step is None) == (b_step is None), f"attentions[{step}]\n{description}"  # 4.57's sdpa: None
+        a_step, b_step = a_step or (), b_step or ()
+        assert len(a_step) == len(b_step), f"attentions[{step}]\n{description}"
+        for a, b in zip(a_step, b_step):
+            assert (a is None) == (b is None), f"attentions[{step}]\n{description}"
+            if a is not None and not _TRANSFORMERS_5 and a.shape[-1] < b.shape[-1]:  # 4.57 swaps a drafted call's
+                assert not b[..., a.shape[-1]:].any(), description  # static cache for a dynamic one: plain's
+                b = b[..., : a.shape[-1]]  # extra columns are the static cache's empty slots
+            if a is not None:
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=f"attentions[{step}]\n{description}")
 
 
 def _assert_continues_as_plain(target, out, reference, description: str) -> None:
@@ -398,6 +450,8 @@ def test_cases_cover_the_edges():
     for name in EDGES:
         assert sum(name in c["edges"] for c in run) >= 100, name
     assert sum("static_cache" in c["settings"] and "continue_from_cache" in c["edges"] for c in run) >= 10
+    assert sum(c["attention"] == "eager" for c in run) >= 40, "attention weights returned, not only sdpa's none"
+    assert sum(c["soft_prompt"] for c in run) >= 40, "soft prompts: embeddings that are no row of the table"
     for name in REFUSAL_NAMES:
         assert sum(c["refusal"] == name for c in cases) >= 3, name
     assert {c["policy"] for c in run} == {"drafter", "all", "none", "partial"}

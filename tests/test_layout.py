@@ -13,9 +13,9 @@ import hf_retrace
 
 PACKAGE = Path(hf_retrace.__file__).parent
 # lowest first; the README's line: cli -> training, bench, demo -> export, loading, side_by_side -> tuning -> generation
-# -> modeling -> retrace, layers -> configuration, stats, defaults -> jsonl, sampling, divergence, chat, machine
+# -> modeling -> retrace, layers -> configuration, stats, defaults -> jsonl, sampling, divergence, chat, machine, atomic
 LAYERS = [
-    {"jsonl", "sampling", "divergence", "chat", "machine"},
+    {"jsonl", "sampling", "divergence", "chat", "machine", "atomic"},
     {"configuration", "stats", "defaults"},
     {"retrace", "layers"},
     {"modeling"},

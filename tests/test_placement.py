@@ -19,6 +19,9 @@ from transformers import LogitsProcessorList
 import hf_retrace  # noqa: F401  (the generate hook)
 from hf_retrace.generation import dispatch, placement
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
+from hf_retrace.generation.drafter_source import DraftChooser
+from hf_retrace.generation.policy import RoundPolicy
+from hf_retrace.generation.proposal import Proposal, Verdict
 
 MAX_NEW = 12
 
@@ -130,28 +133,56 @@ def test_an_offloaded_lm_head_or_embedding_is_refused_before_the_target_runs(pro
 
 def test_draft_vocabulary_scores_are_indexed_on_the_head_device_then_moved_to_the_inputs(target, prompt):
     """The head (and its draft vocabulary) on the CPU, the inputs on another device: every op stays on one device."""
-    generator = _generator(target, tiny_drafter(target, draft_vocab_size=40), prompt)
-    assert generator.draft_head[0].device == target.lm_head.weight.device
-    logits = generator._draft_logits(torch.randn(1, 3, target.config.hidden_size))  # on the head's device
+    drafter = tiny_drafter(target, draft_vocab_size=40)
+    source = _generator(target, drafter, prompt).drafter_source
+    assert source.draft_head[0].device == target.lm_head.weight.device
+    logits = source.draft_logits(torch.randn(1, 3, target.config.hidden_size))  # on the head's device
     assert logits.device == target.lm_head.weight.device
     inputs = prompt.to("meta")
     with OneDevicePerOp():
-        tokens, scores = generator._propose(inputs, logits)  # argmax proposals, no processors
+        tokens, scores = source.choose(inputs, logits)  # argmax proposals, no processors
     assert tokens.device == scores.device == inputs.device and tokens.shape == (1, 3)
-    generator.logits_processor = LogitsProcessorList([lambda ids, scores: scores])
-    generator._process = lambda ids, scores: scores  # a processor's -inf check reads values, which meta has none of
+
+    class NoValueChecks(DraftChooser):
+        def process(self, ids, scores):  # a processor's -inf check reads values, which meta has none of
+            return scores
+
+    choose = NoValueChecks(drafter, LogitsProcessorList([lambda ids, scores: scores]), False, target.config.vocab_size)
     with OneDevicePerOp():
-        tokens, scores = generator._propose(inputs, logits)  # full-vocabulary scores for the processors
+        tokens, scores = choose(inputs, logits)  # full-vocabulary scores for the processors
     assert tokens.device == scores.device == inputs.device and scores.shape == (1, 3, target.config.vocab_size)
 
 
 def test_a_full_vocabulary_drafter_in_another_dtype_scores_with_the_head_itself(target, prompt):
     drafter = tiny_drafter(target, dtype=torch.float64)  # the target's head is float32
-    generator = _generator(target, drafter, prompt)
-    assert generator.draft_head[0].data_ptr() == target.lm_head.weight.data_ptr()  # no per-call copy of the head
-    logits = generator._draft_logits(torch.randn(1, 3, target.config.hidden_size, dtype=torch.float64))
+    source = _generator(target, drafter, prompt).drafter_source
+    assert source.draft_head[0].data_ptr() == target.lm_head.weight.data_ptr()  # no per-call copy of the head
+    logits = source.draft_logits(torch.randn(1, 3, target.config.hidden_size, dtype=torch.float64))
     assert logits.dtype == torch.float32 and logits.shape == (1, 3, target.config.vocab_size)
     assert torch.equal(_generate(target, prompt, drafter), _generate(target, prompt))
+
+
+def test_retraces_kept_suffix_is_indexed_on_the_drafters_device(target, prompt):
+    """The drafter on another device than the inputs (its hidden states there, the drafts and verify scores on the
+    inputs'): keeping the rejected suffix and gathering the target's rows for it never mix devices (issue 37)."""
+    drafter = tiny_drafter(target, block_size=6, retrace="random").to("meta")  # the drafter's "GPU"
+    config = target.generation_config
+    config.max_length = prompt.shape[1] + MAX_NEW
+    source = ReTraceCandidateGenerator(drafter, target, config, None, prompt.shape[1], RoundPolicy(retrace=True)
+                                       ).drafter_source
+    hidden = torch.randn(1, 5, target.config.hidden_size, device="meta")
+    proposal = Proposal("drafter", 5, torch.tensor([[7, 8, 9, 10, 11]]), [7, 8, 9, 10, 11], None, hidden)
+    committed = torch.cat([prompt, torch.tensor([[7, 3]])], dim=1)  # one draft accepted, then the target's own
+    scores = torch.randn(1, 6, target.config.vocab_size)
+    with OneDevicePerOp():
+        source.observe(proposal, Verdict(accepted=1, sequence=committed, scores=scores))
+    carry = source.carry
+    assert carry.positions.shape == carry.rejected_tokens.shape == (1, 3)  # slots 3..5 of the block at 5
+    assert {t.device.type for t in (carry.positions, carry.drafter_hidden, carry.rejected_tokens,
+                                    carry.target_tokens, carry.target_probs)} == {"meta"}
+    window = torch.randn(1, 7, target.config.hidden_size * 2).to("meta")  # the next window, moved to the drafter
+    with OneDevicePerOp():
+        assert window[:, carry.window_rows].shape == (1, 3, window.shape[-1])
 
 
 # --- synchronize ------------------------------------------------------------------------------------------------------

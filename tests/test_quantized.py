@@ -19,9 +19,8 @@ import logging
 
 import pytest
 import torch
-from helpers import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import DraftLog, ProposalPolicy, scripted_source, tiny_drafter, tiny_target
 
-from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 
 VOCAB = 96
 MAX_NEW = 24
@@ -100,7 +99,7 @@ def _largest_quantized_input(model, kind):
     return record, lambda: [h.remove() for h in handles]
 
 
-def test_the_target_is_really_quantized_and_the_borrowed_modules_are_not(quantized, monkeypatch):
+def test_the_target_is_really_quantized_and_the_borrowed_modules_are_not(quantized):
     kind, model = quantized
     quantized_layers = [m for m in model.modules() if isinstance(m, QUANTIZED_LAYERS[kind])]
     assert len(quantized_layers) == 7 * model.config.num_hidden_layers  # q k v o gate up down
@@ -108,22 +107,16 @@ def test_the_target_is_really_quantized_and_the_borrowed_modules_are_not(quantiz
         assert all(m.weight.dtype == torch.int8 for m in quantized_layers)
     else:
         assert all(m.weight.dtype == torch.uint8 for m in quantized_layers)
-    generators = []
-    original = ReTraceCandidateGenerator.get_candidates
-
-    def spy(self, *args, **kwargs):
-        generators.append(self)
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(ReTraceCandidateGenerator, "get_candidates", spy)
-    drafter = tiny_drafter(model, block_size=5, dtype=torch.float32)
+    log = DraftLog()
+    drafter = tiny_drafter(model, block_size=5, dtype=torch.float32).with_drafter_source(scripted_source(log=log))
     model.generate(torch.arange(3, 9)[None], assistant_model=drafter, max_new_tokens=4, do_sample=False)
-    generator = generators[-1]
-    for borrowed, cls in ((generator.embed_tokens, torch.nn.Embedding), (generator.lm_head, torch.nn.Linear)):
+    source = log.sources[-1]
+    lm_head = model.get_output_embeddings()
+    for borrowed, cls in ((source.embed_tokens, torch.nn.Embedding), (lm_head, torch.nn.Linear)):
         assert type(borrowed) is cls, f"borrowed {type(borrowed).__name__}, expected a plain {cls.__name__}"
         assert borrowed.weight.dtype == torch.float32 and borrowed.weight.is_floating_point()
-    assert generator.embed_tokens is model.get_input_embeddings()
-    assert generator.lm_head is model.get_output_embeddings()
+    assert source.embed_tokens is model.get_input_embeddings()
+    assert source.draft_head[0] is lm_head.weight  # the rounds score with the plain head itself
 
 
 @pytest.mark.parametrize("policy", ["drafter", "all", "partial"])

@@ -4,57 +4,46 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import DraftLog, ProposalPolicy, scripted_source, tiny_drafter, tiny_target
 
 from hf_retrace import RejectedSuffix
 from hf_retrace.generation.policy import shipped_policy
 from hf_retrace.retrace import PendingSuffix
 from hf_retrace.training.retrace_stage import ReTraceObjective
-from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 
 
-def _record_drafts(monkeypatch):
-    drafts, generators = [], []
-    original = ReTraceCandidateGenerator.get_candidates
-
-    def get_candidates(self, input_ids, *args, **kwargs):
-        if self not in generators:
-            generators.append(self)
-        candidates, logits = original(self, input_ids, *args, **kwargs)
-        drafts.append(candidates[0, input_ids.shape[1] :].tolist())
-        return candidates, logits
-
-    monkeypatch.setattr(ReTraceCandidateGenerator, "get_candidates", get_candidates)
-    return drafts, generators
+def _recorded(drafter, proposals=None):
+    """``drafter`` proposing through a source that logs its drafts and verdicts (the log, the view)."""
+    log = DraftLog()
+    return log, drafter.with_drafter_source(scripted_source(proposals, log))
 
 
 def _run(target, drafter, prompt, max_new_tokens=40):
     return target.generate(prompt, assistant_model=drafter, max_new_tokens=max_new_tokens, do_sample=False)
 
 
-def test_untrained_retrace_drafts_exactly_what_its_backbone_drafts(monkeypatch):
+def test_untrained_retrace_drafts_exactly_what_its_backbone_drafts():
     target = tiny_target(seed=5, logit_scale=4.0)
     drafter = tiny_drafter(target, block_size=6, retrace="untrained")
     prompt = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(1))
-    drafts, _ = _record_drafts(monkeypatch)
-    _run(target, drafter, prompt)
-    with_retrace, fused = list(drafts), drafter.last_stats.rounds_with_fused_suffix
-    drafts.clear()
-    _run(target, drafter.with_policy(retrace=False), prompt)
+    with_retrace, view = _recorded(drafter)
+    _run(target, view, prompt)
+    fused = view.last_stats.rounds_with_fused_suffix
+    without, view = _recorded(drafter.with_policy(retrace=False))
+    _run(target, view, prompt)
     assert fused > 0, "the ReTrace path never ran: nothing was fused"
-    assert with_retrace == drafts
+    assert with_retrace.drafts == without.drafts
 
 
-def test_trained_retrace_changes_the_drafts_but_not_the_output(monkeypatch):
+def test_trained_retrace_changes_the_drafts_but_not_the_output():
     target = tiny_target(seed=5, logit_scale=4.0)
     drafter = tiny_drafter(target, block_size=6, retrace="random")
     prompt = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(1))
-    drafts, _ = _record_drafts(monkeypatch)
-    out_on = _run(target, drafter, prompt)
-    on = list(drafts)
-    drafts.clear()
-    out_off = _run(target, drafter.with_policy(retrace=False), prompt)
-    assert on != drafts, "a non-zero ReTrace module must change some drafts"
+    on, view = _recorded(drafter)
+    out_on = _run(target, view, prompt)
+    off, view = _recorded(drafter.with_policy(retrace=False))
+    out_off = _run(target, view, prompt)
+    assert on.drafts != off.drafts, "a non-zero ReTrace module must change some drafts"
     assert torch.equal(out_on, out_off)
 
 
@@ -81,31 +70,20 @@ def test_alignment_places_kept_slots_by_absolute_position():
     assert short.valid.tolist() == [[True, True]] and short.rejected_tokens.tolist() == [[7, 8]]
 
 
-def test_rejected_suffix_life_cycle(monkeypatch, use_policy):
+def test_rejected_suffix_life_cycle():
     """Fresh state per call; dropped after a fully accepted round; kept (from the same verification) otherwise."""
     target = tiny_target(seed=6, logit_scale=4.0)
     drafter = tiny_drafter(target, block_size=5, retrace="random")
     prompt = torch.randint(0, 95, (1, 7), generator=torch.Generator().manual_seed(2))
     reference = target.generate(prompt, max_new_tokens=30, do_sample=False)
-    kept_after = []
-    original = ReTraceCandidateGenerator.update_candidate_strategy
-
-    def update(self, input_ids, scores, num_matches):
-        draft = self.draft_round
-        original(self, input_ids, scores, num_matches)
-        if draft is not None:
-            kept_after.append((int(num_matches), draft.tokens.shape[0], self.rejected_suffix))
-
-    monkeypatch.setattr(ReTraceCandidateGenerator, "update_candidate_strategy", update)
-    _, generators = _record_drafts(monkeypatch)
-    use_policy(ProposalPolicy(reference, "all", 96))
-    _run(target, drafter, prompt, 30)
-    assert kept_after and all(s is None for n, k, s in kept_after if n == k), "all accepted: nothing may be kept"
-    kept_after.clear()
-    use_policy(ProposalPolicy(reference, "partial", 96, seed=4))
-    _run(target, drafter, prompt, 30)
-    assert len(generators) == 2 and generators[0] is not generators[1], "each generate call gets fresh state"
-    for accepted, drafted, suffix in kept_after:
+    log, view = _recorded(drafter, ProposalPolicy(reference, "all", 96))
+    _run(target, view, prompt, 30)
+    assert log.verdicts and all(s is None for n, k, s in log.verdicts if n == k), "all accepted: nothing may be kept"
+    first = log.sources
+    log, view = _recorded(drafter, ProposalPolicy(reference, "partial", 96, seed=4))
+    _run(target, view, prompt, 30)
+    assert len(first) == len(log.sources) == 1 and first[0] is not log.sources[0], "fresh state per call"
+    for accepted, drafted, suffix in log.verdicts:
         if accepted + 1 < drafted:
             assert suffix is not None and len(suffix) == drafted - accepted - 1
         else:
@@ -221,7 +199,7 @@ def test_a_pending_suffix_becomes_a_complete_immutable_one():
         pending.positions = None
 
 
-def test_settings_changed_mid_call_do_not_reach_the_call_in_flight(monkeypatch):
+def test_settings_changed_mid_call_do_not_reach_the_call_in_flight():
     """A generate call reads its run-time choices once: another caller flipping the shared config between two of its
     rounds (ReTrace off, another ablation, a confidence cut) leaves its drafts exactly as in an undisturbed call."""
     target = tiny_target(seed=5, logit_scale=4.0)
@@ -229,23 +207,20 @@ def test_settings_changed_mid_call_do_not_reach_the_call_in_flight(monkeypatch):
     with torch.no_grad():
         drafter.retrace.gate.weight.normal_(0, 0.3)
     prompt = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(1))
-    drafts, _ = _record_drafts(monkeypatch)
-    _run(target, drafter, prompt)
-    undisturbed = list(drafts)
-    assert drafter.last_stats.rounds_with_fused_suffix > 0
-    drafts.clear()
-    original = ReTraceCandidateGenerator.update_candidate_strategy
+    undisturbed, view = _recorded(drafter)
+    _run(target, view, prompt)
+    assert view.last_stats.rounds_with_fused_suffix > 0
+    flipping = DraftLog()
 
-    def update(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        drafter.config.retrace = "untrained"  # the shipped policy would turn it off
-        drafter.config.retrace_ablation = "no_gate"
-        drafter.config.draft_confidence_threshold = 0.99
+    class FlipsTheConfigAfterEachVerdict(scripted_source(log=flipping)):
+        def observe(self, proposal, verdict):
+            super().observe(proposal, verdict)
+            drafter.config.retrace = "untrained"  # the shipped policy would turn it off
+            drafter.config.retrace_ablation = "no_gate"
+            drafter.config.draft_confidence_threshold = 0.99
 
-    monkeypatch.setattr(ReTraceCandidateGenerator, "update_candidate_strategy", update)
-    _run(target, drafter, prompt)
-    assert drafts == undisturbed
-    monkeypatch.setattr(ReTraceCandidateGenerator, "update_candidate_strategy", original)
-    drafts.clear()
-    _run(target, drafter, prompt)  # the next call does see them
-    assert drafts != undisturbed
+    _run(target, drafter.with_drafter_source(FlipsTheConfigAfterEachVerdict), prompt)
+    assert flipping.drafts == undisturbed.drafts
+    later, view = _recorded(drafter)
+    _run(target, view, prompt)  # the next call does see them
+    assert later.drafts != undisturbed.drafts

@@ -6,8 +6,9 @@ import random
 
 import pytest
 import torch
-from helpers import ProposalPolicy, tiny_drafter, tiny_target
+from helpers import DraftLog, ProposalPolicy, scripted_source, tiny_drafter, tiny_target
 from torch.profiler import ProfilerActivity, profile
+from transformers import GenerationConfig
 
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 from hf_retrace.generation.lookup import ContextLookup
@@ -78,21 +79,16 @@ def test_lookup_rounds_follow_the_budget_rule():
 
 
 @pytest.mark.parametrize("lookup_cap", [2, 9])
-def test_no_round_proposes_more_than_num_drafting_tokens(lookup_cap, monkeypatch):
+def test_no_round_proposes_more_than_num_drafting_tokens(lookup_cap):
     """transformers >= 5.25 sizes the target cache's rollback record by the generator's ``num_drafting_tokens``: it
     must bound every round, a drafter block's (block - 1) and a lookup copy's (lookup_cap) alike."""
     target = tiny_target(seed=5, logit_scale=4.0)
     policy = RoundPolicy(lookup=True, lookup_min_ngram=1, lookup_start=1, lookup_cap=lookup_cap)
     drafter = tiny_drafter(target, block_size=4, seed=6).with_policy(policy)
-    bounds = []
-    built = ReTraceCandidateGenerator.__init__
-
-    def recording(self, *args, **kwargs):
-        built(self, *args, **kwargs)
-        bounds.append(self.num_drafting_tokens)
-
-    monkeypatch.setattr(ReTraceCandidateGenerator, "__init__", recording)
     prompt = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4, 5, 3, 4]])
+    config = GenerationConfig(max_new_tokens=40, do_sample=False)
+    config.max_length = prompt.shape[1] + 40
+    bounds = [ReTraceCandidateGenerator(drafter, target, config, None, prompt.shape[1], policy).num_drafting_tokens]
     target.generate(prompt, assistant_model=drafter, max_new_tokens=40, do_sample=False)
     stats = drafter.last_stats
     assert bounds == [max(3, lookup_cap)]
@@ -120,25 +116,24 @@ def test_bad_round_settings_fail_when_the_drafter_is_built():
 
 
 @pytest.mark.parametrize("threshold", [0.0, 0.3, 0.7, 0.99])
-def test_confidence_cut_drafts_exactly_the_confident_prefix(threshold, monkeypatch):
+def test_confidence_cut_drafts_exactly_the_confident_prefix(threshold):
     """Each round drafts slot 1, then every slot up to (not including) the first below the threshold."""
     target = tiny_target(seed=2, logit_scale=4.0)
     drafter = tiny_drafter(target, block_size=8, retrace="random", seed=3)
     drafter.config.draft_confidence_threshold = threshold
     expected: list[int] = []
-    full_head = ReTraceCandidateGenerator._draft_logits
-    chunked = ReTraceCandidateGenerator._confident_logits
 
-    def recording(self, hidden):  # the cut the whole head would give, against the chunked head's actual cut
-        full = full_head(self, hidden)
-        top = full[0].softmax(-1).amax(-1)
-        below = [i for i in range(1, top.shape[0]) if top[i] < threshold]
-        expected.append(below[0] if below else top.shape[0])
-        kept = chunked(self, hidden)
-        torch.testing.assert_close(kept, full[:, : kept.shape[1]])
-        return kept
+    class AgainstTheWholeHead(scripted_source()):
+        def confident_logits(self, hidden):  # the cut the whole head would give, against the chunked head's cut
+            full = self.draft_logits(hidden)
+            top = full[0].softmax(-1).amax(-1)
+            below = [i for i in range(1, top.shape[0]) if top[i] < threshold]
+            expected.append(below[0] if below else top.shape[0])
+            kept = super().confident_logits(hidden)
+            torch.testing.assert_close(kept, full[:, : kept.shape[1]])
+            return kept
 
-    monkeypatch.setattr(ReTraceCandidateGenerator, "_confident_logits", recording)
+    drafter = drafter.with_drafter_source(AgainstTheWholeHead)
     prompt = torch.randint(0, 95, (1, 9), generator=torch.Generator().manual_seed(4))
     reference = target.generate(prompt, max_new_tokens=48, do_sample=False)
     out = target.generate(prompt, assistant_model=drafter, max_new_tokens=48, do_sample=False)
@@ -151,28 +146,24 @@ def test_confidence_cut_drafts_exactly_the_confident_prefix(threshold, monkeypat
         assert min(stats.draft_lengths) == 1
 
 
-def test_rejected_suffix_lies_inside_the_cut_block(monkeypatch, use_policy):
+def test_rejected_suffix_lies_inside_the_cut_block():
     """ReTrace keeps only slots the round really drafted: a cut block leaves a shorter (or no) suffix."""
     target = tiny_target(seed=5, logit_scale=4.0)
     drafter = tiny_drafter(target, block_size=8, retrace="random", seed=6)
     prompt = torch.randint(0, 95, (1, 6), generator=torch.Generator().manual_seed(7))
     reference = target.generate(prompt, max_new_tokens=60, do_sample=False)
-    use_policy(ProposalPolicy(reference, "partial", 96, seed=2))
-    cuts = torch.Generator().manual_seed(3)
-    original_logits = ReTraceCandidateGenerator._draft_logits
-    monkeypatch.setattr(ReTraceCandidateGenerator, "_confident_logits",
-                        lambda self, hidden: original_logits(self, hidden)[
-                            :, : int(torch.randint(1, hidden.shape[1] + 1, (1,), generator=cuts))])
-    seen = []
-    original = ReTraceCandidateGenerator.update_candidate_strategy
+    cuts, seen = torch.Generator().manual_seed(3), []
 
-    def update(self, input_ids, scores, num_matches):
-        draft = self.draft_round
-        original(self, input_ids, scores, num_matches)
-        if draft is not None and self.rejected_suffix is not None:
-            seen.append((draft.anchor_position, draft.tokens.shape[0], self.rejected_suffix.positions[0].tolist()))
+    class RandomCut(scripted_source(ProposalPolicy(reference, "partial", 96, seed=2), DraftLog())):
+        def confident_logits(self, hidden):
+            return self.draft_logits(hidden)[:, : int(torch.randint(1, hidden.shape[1] + 1, (1,), generator=cuts))]
 
-    monkeypatch.setattr(ReTraceCandidateGenerator, "update_candidate_strategy", update)
+        def observe(self, proposal, verdict):
+            super().observe(proposal, verdict)
+            if proposal.source == self.name and self.carry is not None:
+                seen.append((proposal.anchor, len(proposal), self.carry.positions[0].tolist()))
+
+    drafter = drafter.with_drafter_source(RandomCut)
     out = target.generate(prompt, assistant_model=drafter, max_new_tokens=60, do_sample=False)
     assert out.tolist() == reference.tolist()
     assert len(set(drafter.last_stats.draft_lengths)) > 3, "the cut must vary"

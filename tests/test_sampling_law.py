@@ -19,11 +19,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_drafter, tiny_target
+from helpers import DraftLog, scripted_source, tiny_drafter, tiny_target
 from scipy.stats import chi2_contingency
 from transformers import GenerationConfig
 
-from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 
 VOCAB = 12
 PROMPT = torch.tensor([[3, 7, 1, 9, 4]])
@@ -146,57 +145,47 @@ def plain(target):
 def assisted(target):
     """Per arm: the assisted new tokens ``[N_ASSISTED, MAX_NEW]``, the drafts of token #2, and acceptance counts."""
     results = {}
-    original = ReTraceCandidateGenerator._propose
-    first_drafts: list[int] = []
-
-    def recording_propose(self, input_ids, logits):
-        tokens, processed = original(self, input_ids, logits)
-        if input_ids.shape[1] == PROMPT.shape[1] + 1:  # the first drafting round: its slot 1 proposes token #2
-            first_drafts.append(int(tokens[0, 0]))
-        return tokens, processed
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(ReTraceCandidateGenerator, "_propose", recording_propose)
-        arms = [(*arm, False, None, False) for arm in ARMS] + [(*arm, True, None, False) for arm in LOOKUP_ARMS]
-        arms += [(*arm, False, DRAFT_VOCAB, False) for arm in DRAFT_VOCAB_ARMS]
-        arms += [(*arm, False, None, False) for arm in CUTOFF_ARMS] + [(*arm, True, None, True) for arm in ONE_TRANSFER_ARMS]
-        for arm_index, (mode, warp, retrace, drafter_seed, lookup, draft_vocab_size, one_transfer) in enumerate(arms):
-            patch.setattr(ReTraceCandidateGenerator, "one_transfer", one_transfer)
-            drafter = tiny_drafter(target, block_size=BLOCK_SIZE, seed=drafter_seed, retrace=retrace,
-                                   draft_vocab_size=draft_vocab_size)
-            drafter.proposal_mode = mode
-            drafter.config.lookup, drafter.config.lookup_min_ngram = lookup, 2
-            prompt = lookup_prompt(target) if lookup else PROMPT
-            lookup_rounds = 0
-            first_drafts.clear()
-            tokens = np.empty((N_ASSISTED, MAX_NEW), dtype=np.int64)
-            rounds = accepted = full_blocks = fused = 0
-            torch.manual_seed(1000 + arm_index)
-            for i in range(N_ASSISTED):
-                out = target.generate(
-                    prompt, assistant_model=drafter, do_sample=True, max_new_tokens=MAX_NEW, **WARPERS[warp]
-                )
-                tokens[i] = out[0, prompt.shape[1] :].numpy()
-                stats = drafter.last_stats
-                rounds += stats.rounds
-                accepted += sum(length - 1 for length in stats.acceptance_lengths)
-                full_blocks += sum(a == d and d > 0 for a, d, _ in stats.round_log)
-                fused += stats.rounds_with_fused_suffix
-                lookup_rounds += stats.lookup_rounds
-            key = (mode, warp, "lookup") if lookup else (mode, warp)
-            key = (mode, warp, "draft_vocab") if draft_vocab_size else key
-            key = (mode, warp, "one transfer") if one_transfer else key
-            results[key] = dict(
-                lookup_rounds=lookup_rounds,
-                tokens=tokens,
-                first_drafts=np.array(first_drafts),
-                rounds=rounds,
-                accepted=accepted,
-                full_blocks=full_blocks,
-                fused=fused,
-                retrace=retrace,
-                draft_vocab=None if drafter.draft_vocab is None else set(drafter.draft_vocab.tolist()),
+    arms = [(*arm, False, None, False) for arm in ARMS] + [(*arm, True, None, False) for arm in LOOKUP_ARMS]
+    arms += [(*arm, False, DRAFT_VOCAB, False) for arm in DRAFT_VOCAB_ARMS]
+    arms += [(*arm, False, None, False) for arm in CUTOFF_ARMS] + [(*arm, True, None, True) for arm in ONE_TRANSFER_ARMS]
+    for arm_index, (mode, warp, retrace, drafter_seed, lookup, draft_vocab_size, one_transfer) in enumerate(arms):
+        drafter = tiny_drafter(target, block_size=BLOCK_SIZE, seed=drafter_seed, retrace=retrace,
+                               draft_vocab_size=draft_vocab_size)
+        drafter.proposal_mode = mode
+        drafter.config.lookup, drafter.config.lookup_min_ngram = lookup, 2
+        log = DraftLog()
+        drafter = drafter.with_policy(one_transfer=one_transfer).with_drafter_source(scripted_source(log=log))
+        prompt = lookup_prompt(target) if lookup else PROMPT
+        lookup_rounds = 0
+        tokens = np.empty((N_ASSISTED, MAX_NEW), dtype=np.int64)
+        rounds = accepted = full_blocks = fused = 0
+        torch.manual_seed(1000 + arm_index)
+        for i in range(N_ASSISTED):
+            out = target.generate(
+                prompt, assistant_model=drafter, do_sample=True, max_new_tokens=MAX_NEW, **WARPERS[warp]
             )
+            tokens[i] = out[0, prompt.shape[1] :].numpy()
+            stats = drafter.last_stats
+            rounds += stats.rounds
+            accepted += sum(length - 1 for length in stats.acceptance_lengths)
+            full_blocks += sum(a == d and d > 0 for a, d, _ in stats.round_log)
+            fused += stats.rounds_with_fused_suffix
+            lookup_rounds += stats.lookup_rounds
+        key = (mode, warp, "lookup") if lookup else (mode, warp)
+        key = (mode, warp, "draft_vocab") if draft_vocab_size else key
+        key = (mode, warp, "one transfer") if one_transfer else key
+        results[key] = dict(
+            lookup_rounds=lookup_rounds,
+            tokens=tokens,
+            # the first drafting round: its slot 1 proposes token #2
+            first_drafts=np.array([drafts[0] for length, drafts in log.choices if length == PROMPT.shape[1] + 1]),
+            rounds=rounds,
+            accepted=accepted,
+            full_blocks=full_blocks,
+            fused=fused,
+            retrace=retrace,
+            draft_vocab=None if drafter.draft_vocab is None else set(drafter.draft_vocab.tolist()),
+        )
     return results
 
 

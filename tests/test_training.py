@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import ListDataset
+from helpers import ListDataset, tiny_drafter, tiny_target
 
 import hf_retrace  # noqa: F401  (installs the generate hook)
 from hf_retrace import ReTraceConfig, ReTraceDrafter
@@ -535,8 +535,7 @@ def test_cli_refuses_to_train_or_calibrate_on_held_out_benchmark_folders(tmp_pat
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
     drafter = tmp_path / "d"
-    drafter.mkdir()
-    (drafter / "config.json").write_text("{}")
+    tiny_drafter(tiny_target()).save_pretrained(drafter)  # a whole folder: the path checks pass, the data check refuses
     monkeypatch.setattr("hf_retrace.training.cli.commands.load_target", lambda *a: pytest.fail("loaded a model"))
     with pytest.raises(SystemExit, match="benchmark folder"):
         main(["calibrate", "--target", "default", "--drafter", str(drafter), "--prompts", str(prompts)])

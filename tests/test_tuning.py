@@ -312,7 +312,7 @@ def test_measured_costs_say_which_round_order_the_drafters_device_runs(monkeypat
     target = tiny_target(dtype=torch.float32)
     drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)
     assert not measure_costs(target, drafter, max_drafts=4, context_length=8, repeats=1).drafter_first  # the CPU
-    monkeypatch.setattr(costs_module, "drafter_first", lambda device: True)
+    monkeypatch.setattr(costs_module, "on_accelerator", lambda device: True)
     assert measure_costs(target, drafter, max_drafts=4, context_length=8, repeats=1).drafter_first
 
 

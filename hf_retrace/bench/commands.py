@@ -84,10 +84,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_args(args)
         plan = plan_benchmark(spec)  # every input check, before any model loads
+        if args.batch_size < 1:
+            raise BenchInputError(f"--batch-size {args.batch_size}: give a batch size of 1 or more")
+        if args.batch_size > 1 and args.plots:
+            raise BenchInputError("--plots draws per-request figures: drop it with --batch-size")
     except BenchInputError as exc:
         raise SystemExit(f"hf-retrace bench: error: {exc}") from None
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.batch_size > 1:  # batched generate against plain batched generate (issue 39)
+        from .batched_throughput import batched_markdown, run_batched_benchmark
+
+        report = run_batched_benchmark(spec, plan, args.batch_size)
+        for path in [write_json(report, args.json)] if args.json else []:
+            print(f"[hf-retrace bench] wrote {path}", file=sys.stderr)
+        if args.markdown:
+            Path(args.markdown).write_text(batched_markdown(report))
+        print(batched_markdown(report))
+        return 0
     report = run_benchmark(spec, plan)
     if args.json:
         print(f"[hf-retrace bench] wrote {write_json(report, args.json)}", file=sys.stderr)
@@ -137,6 +151,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     bench.add_argument("--threads", type=int, default=None,
                        help="torch CPU threads (default: torch's choice; on a CPU shared with other jobs, 1 "
                             "avoids thread-pool contention that can slow decoding tenfold)")
+    bench.add_argument("--batch-size", type=int, default=1, metavar="N",
+                       help="run each dataset's first turns in left-padded batches of N: batched generate with each "
+                            "drafting method against plain batched generate, throughput and tau (default: 1, the "
+                            "per-request benchmark)")
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--fail-on-mismatch", action="store_true",

@@ -6,7 +6,7 @@ Prompt formats follow DFlash's ``benchmark.py`` so numbers stay comparable:
 
 - ``gsm8k``: ``"{question}\\nPlease reason step by step, and put your final answer within \\\\boxed{}."``
 - ``math500``: the same suffix after ``{problem}``
-- ``humaneval``: ``"Write a solution to the following problem and make sure that it passes the tests:\\n```python\\n{prompt}\\n```"``
+- ``humaneval``: :func:`hf_retrace.chat.humaneval_prompt` of the record's ``prompt``
 - ``mtbench``: the record's ``turns``, one user message per turn (multi-turn)
 
 A JSONL path whose file name is a known set (``.../gsm8k.jsonl``) gets that set's format, provided its
@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..chat import humaneval_prompt
 from ..jsonl import iter_jsonl
 
 __all__ = [
@@ -38,9 +39,6 @@ PROMPT_FIELDS = ("turns", "prompt", "question", "problem")
 _ID_FIELDS = ("id", "question_id", "task_id", "unique_id", "idx")
 
 BOXED_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-HUMANEVAL_TEMPLATE = (
-    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
-)
 
 _ALIASES = {
     "gsm8k": "gsm8k",
@@ -76,7 +74,7 @@ def _fmt_math500(rec: dict) -> list[str]:
 
 
 def _fmt_humaneval(rec: dict) -> list[str]:
-    return [HUMANEVAL_TEMPLATE.format(prompt=rec["prompt"])]
+    return [humaneval_prompt(rec["prompt"])]
 
 
 def _fmt_mtbench(rec: dict) -> list[str]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ..stats import GenerationStats
+from ..stats import GenerationStats, speedup_over_plain, tokens_per_second_of
 from .loop import TurnResult
 from .methods import Method
 from .records import BenchRow, RequestDivergence, RequestSummary
@@ -23,8 +23,8 @@ def summarize(dataset: str, turns: list[TurnResult], method: Method, plain_secon
     decode_tokens = sum(max(len(t.run.token_ids) - 1, 0) for t in turns)
     decode_seconds = sum(max(t.run.seconds - t.prefill_seconds, 0.0) for t in turns)
     seconds_per_token = decode_seconds / decode_tokens if decode_tokens else None
-    speedup = (plain_seconds_per_token / seconds_per_token
-               if plain_seconds_per_token and seconds_per_token else None)
+    rate = tokens_per_second_of(decode_tokens, decode_seconds)
+    speedup = speedup_over_plain(rate, 1.0 / plain_seconds_per_token if plain_seconds_per_token else 0.0)
     all_stats = [t.stats for t in turns if t.stats is not None]
     pooled = GenerationStats.pooled(all_stats)
     acceptance = _acceptance(all_stats, pooled, method)
@@ -41,7 +41,7 @@ def summarize(dataset: str, turns: list[TurnResult], method: Method, plain_secon
         prefill_seconds=sum(t.prefill_seconds for t in turns),
         decode_seconds=decode_seconds,
         decode_seconds_per_token=seconds_per_token,
-        tokens_per_second=decode_tokens / decode_seconds if decode_seconds > 0 else None,
+        tokens_per_second=rate if decode_seconds > 0 else None,
         speedup=speedup,
         **acceptance,
         **_costs(pooled, method, plain_seconds_per_token, acceptance["tau_per_round"], speedup),

@@ -7,7 +7,7 @@ import html
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..stats import GenerationStats
+from ..stats import GenerationStats, speedup_over_plain, tokens_per_second_of
 from .rounds import RoundInfo
 
 
@@ -94,7 +94,7 @@ class SideState:
 
     @property
     def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
+        return tokens_per_second_of(len(self.token_ids), self.seconds)
 
     def summary(self) -> dict:
         out = {
@@ -133,10 +133,9 @@ class Snapshot:
 
     @property
     def speedup(self) -> float | None:
-        if self.drafted is None or not self.plain.done or self.drafted.tokens_per_second == 0:
+        if self.drafted is None or not self.plain.done:
             return None
-        plain = self.plain.tokens_per_second
-        return self.drafted.tokens_per_second / plain if plain > 0 else None
+        return speedup_over_plain(self.drafted.tokens_per_second, self.plain.tokens_per_second)
 
     def summary(self) -> dict:
         return {

@@ -13,6 +13,9 @@ import threading
 import types
 from typing import Any
 
+import torch
+import transformers
+from packaging import version
 from transformers import GenerationMixin
 from transformers.generation import SynthIDTextWatermarkingConfig
 from transformers.generation.configuration_utils import GenerationMode
@@ -21,7 +24,7 @@ from ..configuration import drafter_target_mismatches
 from ..stats import GenerationStats, last_stats_slot
 from .candidate_generator import ReTraceCandidateGenerator
 from .placement import place_drafter
-from .policy import RoundPolicy, resolve_policy
+from .policy import RoundPolicy, observe_call, resolve_policy
 from .stopping import PerTokenStopping, StopAwareStreamer
 
 _WRAPPED = "_hf_retrace_wrapped"
@@ -150,6 +153,90 @@ def check_context(target: Any, prompt_length: int, max_new_tokens: int = 0) -> N
     )
 
 
+def check_inputs(target: Any, input_ids: Any, model_kwargs: dict | None = None) -> None:
+    """Raise a ValueError saying what to do for a prompt a drafter cannot take: before the target runs a forward and
+    before first-use tuning (no check here needs the machine's costs). The one place for every input rule of a call
+    with a drafter: its shape and batch, prompts given as embeddings, empty prompts, ids outside the vocabulary, the
+    target's context, pre-filled caches and padded masks.
+
+    Example: ``check_inputs(target, input_ids, {"attention_mask": mask})``.
+    """
+    model_kwargs = model_kwargs or {}
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a 2-D tensor [1, prompt tokens], got shape {list(input_ids.shape)}. "
+                         "Pass input_ids[None] for a 1-D prompt.")
+    if input_ids.shape[0] != 1:
+        raise ValueError(
+            f"hf_retrace speculative decoding runs one sequence at a time, got a batch of {input_ids.shape[0]}. "
+            "Call generate once per prompt (transformers' assisted loop supports batch size 1 only)."
+        )
+    embeds = model_kwargs.get("inputs_embeds")
+    if embeds is not None and input_ids.shape[1] == 0 and embeds.shape[1] > 0:
+        raise ValueError(
+            f"inputs_embeds without input_ids ({embeds.shape[1]} embedded positions): the drafter drafts from the "
+            "committed token ids and their positions, which generate does not have for a prompt given as embeddings "
+            "only. Pass the prompt's token ids as input_ids instead (for embeddings of token ids, input_ids alone "
+            "gives the same output), or input_ids together with inputs_embeds, one id per embedded position (the "
+            "target reads the embeddings), or drop `assistant_model`."
+        )
+    if embeds is not None and embeds.shape[1] != input_ids.shape[1]:
+        raise ValueError(
+            f"inputs_embeds covers {embeds.shape[1]} positions but input_ids {input_ids.shape[1]}: with a drafter both "
+            "describe the same prompt, one token id per embedded position. Pass input_ids of the embeddings' length, "
+            "or input_ids alone."
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError(
+            "The prompt is empty (input_ids of shape [1, 0]): the target needs at least one token to continue from. "
+            "Pass at least one token, e.g. the tokenizer's BOS token or the chat template rendered with "
+            "add_generation_prompt=True."
+        )
+    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold token ids (an integer tensor), got {input_ids.dtype}. Pass the "
+                         "tokenizer's ids (e.g. .long()), or the embeddings as inputs_embeds with their ids.")
+    embeddings = target.get_input_embeddings()
+    vocab = getattr(getattr(embeddings, "weight", None), "shape", (None,))[0]
+    if vocab:
+        low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one read of the prompt for both ends
+        if low < 0 or high >= vocab:
+            raise ValueError(
+                f"input_ids holds token id {low if low < 0 else high}, outside the target's vocabulary (ids "
+                f"0..{vocab - 1}): the prompt was tokenized for another model, or is not token ids. Tokenize it with "
+                "the target's tokenizer."
+            )
+    check_context(target, input_ids.shape[1])
+    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
+    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
+        raise ValueError(
+            "generate was given a pre-filled cache: the drafter has no target hidden states for the cached prefix. "
+            "Pass the full prompt without `past_key_values`."
+        )
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {list(attention_mask.shape)} but input_ids "
+                         f"{list(input_ids.shape)}: pass this prompt's mask, or none (a prompt of one sequence needs "
+                         "no mask).")
+    positions = model_kwargs.get("position_ids")  # 5.x builds them from the mask, then drops a mask of ones
+    if positions is not None and positions.shape[-1] != input_ids.shape[1]:
+        raise ValueError(f"position_ids cover {positions.shape[-1]} positions but the prompt has {input_ids.shape[1]} "
+                         "tokens: they (or the attention_mask generate builds them from) belong to another prompt. "
+                         "Pass this prompt's attention_mask and position_ids, or neither.")
+    for name in ("inputs_embeds", "position_ids"):
+        if model_kwargs.get(name) is not None and _loop_indexes_attentions():
+            raise ValueError(
+                f"{name} with a drafter needs transformers 5 or newer (this is {transformers.__version__}, whose "
+                f"assisted loop does not continue from a prompt given with {name} as plain generate does). Pass "
+                "input_ids (and its attention_mask) alone, upgrade transformers, or drop `assistant_model`."
+            )
+    if attention_mask is not None and not bool(attention_mask.all()):
+        masked = int((attention_mask == 0).sum())
+        raise ValueError(
+            f"The prompt's attention_mask has padding ({masked} of {input_ids.shape[1]} positions masked): the "
+            "drafter's positions follow the unpadded prompt. Pass the unpadded prompt (batch size 1 needs no "
+            "padding): input_ids[:, attention_mask[0].bool()], without the mask."
+        )
+
+
 def build_candidate_generator(
     target: Any,
     *,
@@ -161,24 +248,11 @@ def build_candidate_generator(
     **unused: Any,
 ) -> ReTraceCandidateGenerator:
     """Check the call, then build a fresh generator (one per ``generate`` call)."""
-    if input_ids.shape[0] != 1:
-        raise ValueError(
-            f"hf_retrace speculative decoding runs one sequence at a time, got a batch of {input_ids.shape[0]}. "
-            "Call generate once per prompt (transformers' assisted loop supports batch size 1 only)."
-        )
-    check_context(target, input_ids.shape[1])
-    model_kwargs = model_kwargs or {}
-    cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
-    if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
-        raise ValueError(
-            "generate was given a pre-filled cache: the drafter has no target hidden states for the cached prefix. "
-            "Pass the full prompt without `past_key_values`."
-        )
-    attention_mask = model_kwargs.get("attention_mask")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise ValueError("The prompt's attention_mask has padding; pass the unpadded prompt (batch size 1).")
+    policy = _CALLS.__dict__.pop("policy", None)
+    if policy is None:  # not built inside our assisted-loop wrapper (transformers 4.57): check before resolving
+        check_inputs(target, input_ids, model_kwargs)
     check_target(assistant_model, target)
-    policy = _CALLS.__dict__.pop("policy", None) or resolve_policy(assistant_model, target, generation_config)
+    policy = policy or resolve_policy(assistant_model, target, generation_config)
     generator = ReTraceCandidateGenerator(
         assistant_model,
         target,
@@ -249,7 +323,66 @@ def _call_policy(original, self, args: tuple, kwargs: dict, pending: list) -> Ro
     if not is_drafter(drafter):
         return None
     bound = inspect.signature(original).bind(self, *args, **kwargs)
+    check_inputs(self, bound.arguments["input_ids"], bound.arguments.get("model_kwargs"))  # before tuning at first use
     return resolve_policy(drafter, self, bound.arguments.get("generation_config"))
+
+
+class AttentionsAsPlain:
+    """The ``attentions`` of a call with a drafter as plain ``generate`` returns them, one entry per new token.
+
+    transformers' assisted loop splits each verify's weights per token, cut at the token's own position; plain returns
+    each forward's weights whole: over a static cache they span the cache's whole length (zeros past the position),
+    and where the attention computes no weights (sdpa, flash) plain returns what the forward gave (an empty tuple or
+    one ``None`` per layer) while the loop returns nothing. Reads the prefill's output to tell which; idle unless the
+    call returns attentions."""
+
+    def __init__(self, target: Any, original: Any, args: tuple, kwargs: dict):
+        config = inspect.signature(original).bind(target, *args, **kwargs).arguments.get("generation_config")
+        self.prompt_length = _arg(args, kwargs, 0, "input_ids").shape[1]
+        self.prefill: tuple | None = None
+        wanted = config is not None and config.return_dict_in_generate and config.output_attentions
+        # transformers 4.x's assisted loop indexes the verify's attentions, which a weightless attention (sdpa, flash)
+        # returns as None: the loop runs without them and each new token gets plain's entry (None)
+        self.weightless_4x = bool(wanted) and _loop_indexes_attentions() and not _computes_attention_weights(target)
+        if self.weightless_4x:
+            config.output_attentions = False
+        self.handle = target.register_forward_hook(self._record) if wanted and not self.weightless_4x else None
+
+    def _record(self, module: Any, inputs: Any, output: Any) -> None:
+        if self.prefill is None:
+            self.prefill = tuple(getattr(output, "attentions", None) or ())
+
+    def apply(self, output: Any) -> Any:
+        if self.weightless_4x and hasattr(output, "attentions"):
+            output.attentions = tuple(None for _ in range(output.sequences.shape[1] - self.prompt_length))
+            return output
+        steps = getattr(output, "attentions", None)
+        if self.prefill is None or steps is None:
+            return output
+        if steps == ():  # no weights computed: plain repeats the forward's own (empty or None) attentions
+            output.attentions = tuple(self.prefill for _ in range(output.sequences.shape[1] - self.prompt_length))
+            return output
+        first = next((w for w in self.prefill if w is not None), None)
+        width = first.shape[-1] if first is not None and first.shape[-1] > first.shape[-2] else None  # a static cache
+        if width is not None:
+            output.attentions = tuple(
+                tuple(w if w is None or w.shape[-1] >= width else torch.nn.functional.pad(w, (0, width - w.shape[-1]))
+                      for w in step) for step in steps)
+        return output
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+def _loop_indexes_attentions() -> bool:
+    """Whether transformers' assisted loop reads ``outputs.attentions[0]`` unguarded (4.x; 5.x checks it)."""
+    return version.parse(transformers.__version__).release < (5,)
+
+
+def _computes_attention_weights(target: Any) -> bool:
+    return getattr(target.config, "_attn_implementation", None) in ("eager", "eager_paged", "flex_attention")
 
 
 def _decode_plainly(self, original, args: tuple, kwargs: dict, policy: RoundPolicy):
@@ -272,18 +405,28 @@ def _wrap_assisted_decoding(original):
         stack = _CALLS.__dict__.setdefault("stack", [])
         pending = _CALLS.__dict__.pop("pending", [])
         stack.append(pending)
-        stopping = None
+        stopping = attentions = None
         try:
+            from .batched import batch_size_of, batched_assisted_decoding  # batch > 1: our own loop (issue 39)
+
+            if is_drafter(kwargs.get("assistant_model")) and batch_size_of(original, self, args, kwargs) > 1:
+                return batched_assisted_decoding(self, original, args, kwargs, check_inputs, _decode_plainly)
             policy = _call_policy(original, self, args, kwargs, pending)
             if policy is not None and not policy.speculate:
                 return _decode_plainly(self, original, args, kwargs, policy)
             if policy is not None:  # our call: stop where plain decoding stops
                 _CALLS.policy = policy  # the generator built inside the loop (5.x) takes it
                 args, kwargs, stopping = _stop_per_token(original, self, args, kwargs, pending)
+                attentions = AttentionsAsPlain(self, original, args, kwargs)
             output = original(self, *args, **kwargs)
-            return output if stopping is None else stopping.trim(output)
+            output = output if stopping is None else stopping.trim(output)
+            if policy is not None:  # a tuned prediction meets the call's real timings
+                observe_call(policy, [generator.stats for generator in pending])
+            return output if attentions is None else attentions.apply(output)
         finally:  # every exit path: the target's layers never keep our hooks after the call
             _CALLS.__dict__.pop("policy", None)
+            if attentions is not None:
+                attentions.close()
             for generator in stack.pop():
                 generator.close()
 

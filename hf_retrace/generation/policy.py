@@ -16,14 +16,17 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..configuration import PROPOSAL_MODES, RETRACE_ABLATIONS
 
-__all__ = ["RoundGuard", "RoundPolicy", "confident_prefix", "resolve_policy", "set_policy_resolver", "shipped_policy",
-           "verify_cost"]
+__all__ = ["FIELD_RULES", "RoundGuard", "RoundPolicy", "check_view", "confident_prefix", "field_problem",
+           "observe_call", "resolve_policy", "set_call_observer", "set_policy_resolver", "shipped_policy",
+           "verify_cost", "view_policy"]
 
 
 LOOKUP_COST = 0.01  # a lookup round's own work (the n-gram index), in one-token target steps
@@ -49,6 +52,71 @@ def verify_cost(verify_costs: Sequence[float], k: int) -> float:
     return verify_costs[last] + (verify_costs[last] - verify_costs[last - 1]) * (k - last)
 
 
+def _is_real(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+_BOOL = (lambda v: isinstance(v, bool), "must be true or false")
+_COUNT = (lambda v: _is_int(v) and v >= 1, "must be a whole number >= 1 (not a fraction, not 2.0)")
+_TEXT = (lambda v: isinstance(v, str), "must be a string")
+# every field a policy can arrive with (a view's changes, a file, a cache entry), with what it expects: one rule each
+FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "speculate": _BOOL,
+    "confidence_cut": (lambda v: v is None or (_is_real(v) and 0.0 <= v < 1.0),
+                       "must be a number in [0, 1), or null / None for full blocks"),
+    "lookup": _BOOL,
+    "lookup_min_ngram": _COUNT,
+    "lookup_max_ngram": _COUNT,
+    "lookup_start": _COUNT,
+    "lookup_cap": _COUNT,
+    "proposal_mode": (lambda v: v in PROPOSAL_MODES, f"must be one of {', '.join(PROPOSAL_MODES)}"),
+    "retrace": _BOOL,
+    "retrace_ablation": (lambda v: v in RETRACE_ABLATIONS, f"must be one of {', '.join(RETRACE_ABLATIONS)}"),
+    "kept_suffix_stats": _BOOL,
+    "one_transfer": (lambda v: v is None or isinstance(v, bool), "must be true, false or null / None"),
+    "verify_costs": (lambda v: v is None or (isinstance(v, (list, tuple)) and len(v) >= 2
+                                             and all(_is_real(c) and c > 0 for c in v)),
+                     "must be null / None or a list of at least two positive numbers (k = 0 and 1 drafts)"),
+    "draft_cost": (lambda v: v is None or (_is_real(v) and v >= 0), "must be null / None or a number >= 0"),
+    "lookup_cost": (lambda v: _is_real(v) and v >= 0, "must be a number >= 0"),
+    "source": _TEXT,
+    "reason": _TEXT,
+    "expected_speedup": (lambda v: v is None or (_is_real(v) and v > 0), "must be null / None or a number > 0"),
+}
+
+
+def field_problem(name: str, value: Any) -> str | None:
+    """What is wrong with ``value`` for the round-policy field ``name`` ("must be ..., got ..."), or None when it fits:
+    the one check every way a policy arrives goes through (a view's changes, ``HF_RETRACE_POLICY``'s file, a cache
+    entry, ``hf-retrace tune --json``'s file)."""
+    if name not in FIELD_RULES:
+        return f"is not a round-policy field (known: {', '.join(FIELD_RULES)})"
+    fits, expected = FIELD_RULES[name]
+    try:
+        ok = bool(fits(value))
+    except TypeError:  # e.g. an unhashable value for a choice
+        ok = False
+    return None if ok else f"{expected}, got {value!r}"
+
+
+def check_view(policy: Any, changes: dict[str, Any], where: str = "drafter.with_policy") -> None:
+    """Refuse a view's arguments before any target forward: ``policy`` must be a :class:`RoundPolicy` (or None) and
+    each change a known field with a value of the right type and range. Raises a ``ValueError`` that names them."""
+    if policy is not None and not isinstance(policy, RoundPolicy):
+        hint = " (RoundPolicy.from_dict(...) reads a dict)" if isinstance(policy, dict) else ""
+        raise ValueError(f"{where}: the first argument must be a hf_retrace.RoundPolicy or None, got "
+                         f"{type(policy).__name__} {policy!r}{hint}; for single fields pass keywords, e.g. "
+                         f"{where}(lookup_cap=16).")
+    found = [f"{name} {problem}" for name, value in changes.items()
+             if (problem := field_problem(name, value)) is not None]
+    if found:
+        raise ValueError(f"{where}: " + "; ".join(found) + ".")
+
+
 @dataclass(frozen=True)
 class RoundPolicy:
     """What every round of one ``generate`` call does. Frozen: a call is handed one and never changes it.
@@ -62,6 +130,9 @@ class RoundPolicy:
     - ``proposal_mode`` (under sampling), ``retrace`` / ``retrace_ablation`` (use the drafter's ReTrace module);
       ``kept_suffix_stats``: score how often a kept rejected token is later committed (ReTrace's premise; research
       statistics that cost host transfers every round, so off unless asked for).
+    - ``one_transfer``: True asks for the accelerator's transfer order, False for the CPU's; None: by the drafter's
+      device. Sampled proposals and per-slot processors keep the CPU order (:func:`~hf_retrace.generation.proposal.
+      one_transfer`, the rule the generator and the cost model share).
     - ``verify_costs`` / ``draft_cost``: the machine's measured costs in one-token target steps (``verify_costs[k]``
       for ``k`` drafts); when present, a :class:`RoundGuard` backs off drafting while recent rounds commit fewer
       tokens per step-cost than plain decoding does.
@@ -79,6 +150,7 @@ class RoundPolicy:
     retrace: bool = False
     retrace_ablation: str = "full"
     kept_suffix_stats: bool = False
+    one_transfer: bool | None = None
     verify_costs: tuple[float, ...] | None = None
     draft_cost: float | None = None
     lookup_cost: float = LOOKUP_COST
@@ -90,28 +162,20 @@ class RoundPolicy:
     def __post_init__(self) -> None:
         problems = self.problems()
         if problems:
-            raise ValueError("Invalid round policy: " + "; ".join(problems) + ".")
+            raise ValueError("invalid round policy: " + "; ".join(problems) + ".")
         if self.verify_costs is not None:
             object.__setattr__(self, "verify_costs", tuple(float(c) for c in self.verify_costs))
 
     def problems(self) -> list[str]:
-        """What is wrong with this policy's values, one phrase each (empty when it is valid)."""
-        found = []
-        cut = self.confidence_cut
-        if cut is not None and not 0.0 <= cut < 1.0:
-            found.append(f"confidence_cut must be in [0, 1) or None for full blocks, got {cut!r}")
-        if not 1 <= self.lookup_min_ngram <= self.lookup_max_ngram:
-            found.append(f"lookup needs 1 <= lookup_min_ngram <= lookup_max_ngram, got {self.lookup_min_ngram} and "
+        """What is wrong with this policy's values, one phrase each naming the field and what it expects (empty when
+        it is valid): types first (a JSON ``2.0`` is not a lookup budget), then ranges, then fields read together."""
+        found = [f"{name} {problem}" for name in FIELD_RULES
+                 if (problem := field_problem(name, getattr(self, name))) is not None]
+        if found:
+            return found
+        if self.lookup_min_ngram > self.lookup_max_ngram:
+            found.append(f"lookup needs lookup_min_ngram <= lookup_max_ngram, got {self.lookup_min_ngram} and "
                          f"{self.lookup_max_ngram}")
-        if not 1 <= self.lookup_start or self.lookup_cap < 1:
-            found.append(f"lookup_start and lookup_cap must be at least 1, got {self.lookup_start} and "
-                         f"{self.lookup_cap}")
-        if self.proposal_mode not in PROPOSAL_MODES:
-            found.append(f"proposal_mode must be one of {PROPOSAL_MODES}, got {self.proposal_mode!r}")
-        if self.retrace_ablation not in RETRACE_ABLATIONS:
-            found.append(f"retrace_ablation must be one of {RETRACE_ABLATIONS}, got {self.retrace_ablation!r}")
-        if self.verify_costs is not None and (len(self.verify_costs) < 2 or min(self.verify_costs) <= 0):
-            found.append("verify_costs must hold at least two positive costs (k = 0 and 1 drafts)")
         return found
 
     # --- the pure rules the generator asks each round ------------------------------------------------------------
@@ -154,13 +218,21 @@ class RoundPolicy:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RoundPolicy":
-        """A policy from :meth:`to_dict`'s output; unknown keys are an error that names them."""
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        unknown = sorted(set(data) - names)
+    def from_dict(cls, data: Any, where: str = "round policy") -> "RoundPolicy":
+        """A policy from :meth:`to_dict`'s output, checked field by field (:func:`field_problem`); anything else is a
+        ``ValueError`` that starts with ``where`` (the file or argument it came from) and names the field and what it
+        expects."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a JSON object of round-policy fields (RoundPolicy.to_dict()), got "
+                             f"{type(data).__name__}.")
+        names = [name for name in FIELD_RULES]
+        unknown = sorted(set(data) - set(names))
         if unknown:
-            raise ValueError(f"Unknown round-policy fields {unknown}; known: {sorted(names)}.")
-        return cls(**data)
+            raise ValueError(f"{where}: unknown round-policy fields {unknown}; known: {sorted(names)}.")
+        try:
+            return cls(**data)
+        except ValueError as error:
+            raise ValueError(f"{where}: {error}") from None
 
     def describe(self) -> str:
         """One line a user can look up in the README: what rounds this policy runs, and why."""
@@ -243,13 +315,55 @@ def set_policy_resolver(resolver: PolicyResolver | None) -> None:
     _RESOLVER[0] = resolver
 
 
+CallObserver = Callable[[RoundPolicy, Sequence[Any]], None]
+_OBSERVER: list[CallObserver | None] = [None]
+
+
+def set_call_observer(observer: CallObserver | None) -> None:
+    """Install the function told, after each drafted call, its policy and its generators' stats (``import hf_retrace``
+    installs :func:`hf_retrace.tuning.auto.note_realized`: a tuned prediction checked against real calls)."""
+    _OBSERVER[0] = observer
+
+
+def observe_call(policy: RoundPolicy, stats: Sequence[Any]) -> None:
+    """Tell the installed observer what one drafted call with ``policy`` did (``stats``: its GenerationStats)."""
+    observer = _OBSERVER[0]
+    if observer is not None and stats:
+        observer(policy, stats)
+
+
 def resolve_policy(drafter: Any, target: Any, generation_config: Any) -> RoundPolicy:
     """The policy of one call, first match wins: the drafter view's own (``drafter.with_policy(policy)``); else the
     installed resolver's (``HF_RETRACE_POLICY``, then the policy tuned for this machine: :mod:`hf_retrace.tuning.auto`);
-    else the drafter's shipped one. Changes given as ``drafter.with_policy(**changes)`` apply on top."""
+    else the drafter's shipped one. Changes given as ``drafter.with_policy(**changes)`` apply on top
+    (:func:`view_policy`: a drafting knob drafts even over a plain policy)."""
     policy = getattr(drafter, "round_policy", None)
+    changes = getattr(drafter, "policy_changes", None) or {}
+    check_view(policy, changes)  # a bad view is refused before tuning and before any target forward
     if policy is None:
         resolver = _RESOLVER[0]
         policy = shipped_policy(drafter.config) if resolver is None else resolver(drafter, target, generation_config)
-    changes = getattr(drafter, "policy_changes", None)
-    return policy.replace(**changes) if changes else policy
+    if not changes:
+        return policy
+    try:
+        return view_policy(policy, changes)
+    except ValueError as error:  # the changes fit alone but not together with the policy under them
+        given = ", ".join(f"{name}={value!r}" for name, value in changes.items())
+        raise ValueError(f"drafter.with_policy({given}) on top of the {policy.source} policy: {error}") from None
+
+
+# the knobs that shape drafting: a view that sets one asks for drafting (switching ReTrace off asks for nothing)
+DRAFTING_FIELDS = ("confidence_cut", "lookup", "lookup_min_ngram", "lookup_max_ngram", "lookup_start", "lookup_cap",
+                   "proposal_mode", "retrace", "retrace_ablation")
+
+
+def view_policy(policy: RoundPolicy, changes: dict[str, Any]) -> RoundPolicy:
+    """``changes`` (a view's ``with_policy(**changes)``) on top of ``policy``. Precedence (docs/round-policy.md): an
+    explicit ``speculate`` in the changes wins; else a change to a drafting knob (:data:`DRAFTING_FIELDS`, ReTrace
+    off excepted) drafts even where ``policy`` decodes plainly (a tuned plain policy keeps the machine's costs, so the
+    guard still backs off inside the call); else ``policy``'s own ``speculate`` stands."""
+    asks_drafting = any(name in DRAFTING_FIELDS and not (name == "retrace" and value is False)
+                        for name, value in changes.items())
+    if asks_drafting and not policy.speculate and "speculate" not in changes:
+        changes = {"speculate": True, "source": "explicit", "reason": "", "expected_speedup": None, **changes}
+    return policy.replace(**changes)

@@ -169,9 +169,10 @@ def crop_cache(cache: Any, length: int) -> bool:
 
 
 def trim_output(output: Any, stop_at: int | None, prompt_length: int, cache: Any = None) -> Any:
-    """``output`` of the assisted loop cut to the first ``stop_at`` positions (sequence, scores and logits), and the
-    target's cache (the returned one, and ``cache``, the one the loop wrote) cropped to the ``stop_at - 1`` positions
-    plain decoding holds there (the last token's K/V is never computed)."""
+    """``output`` of the assisted loop cut to the first ``stop_at`` positions (the sequence, and the per-token scores,
+    logits, hidden states and attentions), and the target's cache (the returned one, and ``cache``, the one the loop
+    wrote) cropped to the ``stop_at - 1`` positions plain decoding holds there (the last token's K/V is never
+    computed)."""
     if stop_at is None:
         return output
     sequences = output if isinstance(output, torch.Tensor) else getattr(output, "sequences", None)
@@ -197,7 +198,7 @@ def trim_output(output: Any, stop_at: int | None, prompt_length: int, cache: Any
     if isinstance(output, torch.Tensor):
         return output[:, :stop_at]
     output.sequences = output.sequences[:, :stop_at]
-    for name in ("scores", "logits"):
+    for name in ("scores", "logits", "hidden_states", "attentions"):  # one entry per new token, each
         steps = getattr(output, name, None)
         if steps is not None:
             setattr(output, name, tuple(steps[: stop_at - prompt_length]))

@@ -91,5 +91,6 @@ class TauEvaluator:
             "tau_pooled": pooled.mean_acceptance_length,
             "eval_prompts": len(prompts),
             "eval_rounds": pooled.rounds,
+            "per_position_acceptance": [round(rate, 4) for rate in pooled.per_position_acceptance],
             "eval_seconds": time.perf_counter() - started,
         }

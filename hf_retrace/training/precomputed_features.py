@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from ..atomic import atomic_path, write_text_atomically
 from .features import collate_sequences, tapped_hidden_states
 
 __all__ = [
@@ -68,9 +69,7 @@ def _dataset_fingerprint(dataset: Any) -> dict[str, Any]:
 
 
 def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    tmp = out_dir / (FEATURES_MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    tmp.replace(out_dir / FEATURES_MANIFEST)
+    write_text_atomically(out_dir / FEATURES_MANIFEST, json.dumps(manifest, indent=2))
 
 
 def _feature_settings(target: nn.Module, dataset: Any, target_layer_ids: Sequence[int], storage_dtype: torch.dtype,
@@ -176,21 +175,20 @@ def _write_feature_shard(compute: Compute, device: torch.device, feature_size: i
     """Write ``compute`` of sequences ``start ..`` to ``path`` (through a temporary file); return the offsets."""
     np_dtype, _ = _STORAGE[_dtype_name(storage_dtype)]
     offsets = np.concatenate([[0], np.cumsum(shard_lengths)]).astype(np.int64)
-    tmp = path.with_name(path.name + ".tmp")
-    array = np.memmap(tmp, dtype=np_dtype, mode="w+", shape=(int(offsets[-1]), feature_size))
-    for rows in _length_batches(shard_lengths, max_batch_tokens):
-        batch = collate_sequences([dataset[start + int(r)] for r in rows])
-        feats = compute(batch["input_ids"].to(device), batch["attention_mask"].to(device)).to(storage_dtype).cpu()
-        for j, r in enumerate(rows):
-            length = int(shard_lengths[r])
-            block = feats[j, :length].contiguous()
-            if np_dtype is np.uint16:
-                block = block.view(torch.int16)
-            array[offsets[r] : offsets[r] + length] = block.numpy().view(np_dtype)
-        report(int(sum(shard_lengths[r] for r in rows)))
-    array.flush()
-    del array
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        array = np.memmap(tmp, dtype=np_dtype, mode="w+", shape=(int(offsets[-1]), feature_size))
+        for rows in _length_batches(shard_lengths, max_batch_tokens):
+            batch = collate_sequences([dataset[start + int(r)] for r in rows])
+            feats = compute(batch["input_ids"].to(device), batch["attention_mask"].to(device)).to(storage_dtype).cpu()
+            for j, r in enumerate(rows):
+                length = int(shard_lengths[r])
+                block = feats[j, :length].contiguous()
+                if np_dtype is np.uint16:
+                    block = block.view(torch.int16)
+                array[offsets[r] : offsets[r] + length] = block.numpy().view(np_dtype)
+            report(int(sum(shard_lengths[r] for r in rows)))
+        array.flush()
+        del array
     return offsets
 
 

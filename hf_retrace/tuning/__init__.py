@@ -7,5 +7,7 @@
 - :mod:`.replay`: one walker over recorded answers that asks the same :class:`~hf_retrace.generation.policy.RoundPolicy`
   methods the generator asks, so the replay and a real call agree round by round.
 - :mod:`.search`: the policy with the most tokens per step-cost, per temperature; plain decoding where none pays.
-- :mod:`.auto`: the resolver ``generate`` consults: ``HF_RETRACE_POLICY``, the cache, or tuning at first use.
+- :mod:`.auto`: the resolver ``generate`` consults: ``HF_RETRACE_POLICY``, the cache, or tuning at first use; and the
+  observer that records the first real calls' figure beside the prediction.
+- :mod:`.verify`: ``hf-retrace tune --verify``, a short real A/B of plain, the choice and the runner-up.
 """

@@ -1,21 +1,17 @@
 """Which round policy a call gets when it names none: ``HF_RETRACE_POLICY``, else the policy tuned for this machine.
 
-Precedence, first match wins (the one place it is written; the README points here):
+The precedence (a view, then ``HF_RETRACE_POLICY``, then the tuned policy) is written once, in docs/round-policy.md.
+The tuned policy: at the first ``generate`` with a drafter, keyed by the target's and drafter's fingerprints, the
+dtype, the device, the CPU's model and flags, the thread count and the torch / transformers versions, this machine's
+costs are measured (:mod:`.costs`; timings too noisy to decide on keep the shipped policy, uncached), the drafter's
+recorded rounds replayed (:mod:`.search`; plain decoding only where two measurements agree), and the choice cached as
+JSON in ``$HF_RETRACE_CACHE/policies`` (default ``~/.cache/hf_retrace/policies``). Later processes read it in
+milliseconds. An entry is checked field by field on read; an unreadable, stale or invalid one is measured again, never
+fatal, and so is one whose first real calls realized a figure more than 15 % from the prediction (once). The file is
+written atomically, so two processes at once leave one valid file. A drafter without recorded rounds keeps its
+shipped policy, with the guard armed by the measured costs.
 
-1. a drafter view's own policy: ``drafter.with_policy(policy)`` (changes given as ``with_policy(**changes)`` apply
-   on top of whatever 2-3 give);
-2. ``HF_RETRACE_POLICY``: ``auto`` (the default: 3), ``shipped`` (the drafter's config constants), ``off`` (plain
-   decoding, no drafter forward), or the path of a JSON file holding a policy (``RoundPolicy.to_dict``) or a tuning
-   result (``hf-retrace tune --json``);
-3. ``auto``: the policy tuned for this machine, per temperature. At the first ``generate`` with a drafter, keyed by
-   the target's and drafter's fingerprints, the dtype, the device, the CPU's model and flags, the thread count and the
-   torch / transformers versions, this machine's costs are measured (about 1-3 s on a CPU), the drafter's recorded
-   rounds replayed (:mod:`.search`), and the choice cached as JSON in ``$HF_RETRACE_CACHE/policies`` (default
-   ``~/.cache/hf_retrace/policies``). Later processes read it in milliseconds. An unreadable or stale entry is
-   measured again, never fatal; the file is written atomically, so two processes at once leave one valid file. A
-   drafter without recorded rounds keeps its shipped policy, with the guard armed by the measured costs.
-
-One line on stderr says when a call tunes, and what it chose.
+One line on stderr says when a call tunes, what it chose, and whether it was cached.
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..atomic import write_text_atomically
 from ..defaults import cache_root
 from ..machine import cpu_info
 from ..generation.policy import RoundPolicy, shipped_policy
@@ -38,10 +35,11 @@ from .costs import MachineCosts, measure_costs
 from .records import RECORDS_FILENAME, RoundRecords
 from .search import LOOKUP_BUDGETS, choose_policies
 
-__all__ = ["POLICY_ENV_VAR", "auto_policy", "machine_key", "policy_cache_dir", "tune", "tune_and_cache", "tuned_policies"]
+__all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine_key", "note_realized",
+           "policy_cache_dir", "realized_figure", "records_of", "tune", "tune_and_cache", "tuned_policies"]
 
 POLICY_ENV_VAR = "HF_RETRACE_POLICY"
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: robust costs, plain proved by two measurements, realized figures
 _MEMO: dict[str, dict[str, RoundPolicy]] = {}
 _LOCK = threading.Lock()
 
@@ -99,7 +97,7 @@ def _records_path(drafter: Any) -> Path | None:
     return path
 
 
-def _records_of(drafter: Any) -> RoundRecords | None:
+def records_of(drafter: Any) -> RoundRecords | None:
     """The drafter's recorded rounds: in memory (``drafter.round_records``), or the file beside its weights."""
     records = getattr(drafter, "round_records", None)
     if records is not None:
@@ -114,82 +112,232 @@ def _records_of(drafter: Any) -> RoundRecords | None:
         return None
 
 
+NAMES = ("greedy", "sampled")  # T=0, T>0
+_LABELS = {"greedy": "T=0", "sampled": "T>0"}
+REALIZED_TOKENS = 256  # committed in drafting rounds before the first calls' realized figure is recorded
+REALIZED_TOLERANCE = 0.15  # realized vs predicted tokens per step-cost: a wider gap is measured again
+UNSETTLED = ("this machine's timings stayed too noisy to decide on (spread {spread:.2f} between repeats); the shipped "
+             "policy is used for this process, and the next one measures again")
+
+
 def tune(target: Any, drafter: Any, records: RoundRecords | None = None) -> dict[str, Any]:
-    """Measure this machine's costs and choose the policy per temperature; returns the cacheable result
-    (``policies``, ``costs``, ``tables``, ``seconds``)."""
+    """Measure this machine's costs and choose the policy per temperature; returns the result (``policies``,
+    ``costs``, ``tables``, ``seconds``, ``measurements``, and ``cacheable`` with ``note`` saying why not).
+
+    Timings too noisy to decide on (:attr:`MachineCosts.settled` False) keep the shipped policy, uncached. Plain
+    decoding is a decision that must be proved: where the first measurement finds nothing that pays, the costs are
+    measured again, independently, and plain stands only where both agree (else the drafting choice of the second)."""
     started = time.perf_counter()
-    records = records if records is not None else _records_of(drafter)
+    records = records if records is not None else records_of(drafter)
     longest = max([drafter.config.block_size - 1] + [b[1] for b in LOOKUP_BUDGETS if b])
-    costs = measure_costs(target, drafter, max_drafts=longest)
     base = shipped_policy(drafter.config)
+    costs = measure_costs(target, drafter, max_drafts=longest)
+    result: dict[str, Any] = {"costs": costs.to_dict(), "measurements": [costs.to_dict()]}
+    if not costs.settled:
+        policies = {name: _unsettled(costs, base) for name in NAMES}
+        return _finish(result, policies, {}, started, UNSETTLED.format(spread=costs.spread))
+    choice = _choose(records, costs, base)
+    plain = [name for name in NAMES if not choice[name].speculate]
+    if plain:  # one measurement never decides plain decoding
+        second = measure_costs(target, drafter, max_drafts=longest)
+        result["measurements"].append(second.to_dict())
+        if not second.settled:
+            for name in plain:
+                choice[name] = _unsettled(second, base)
+            return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started,
+                           UNSETTLED.format(spread=second.spread))
+        again = _choose(records, second, base)
+        for name in plain:
+            if again[name].speculate:  # the two disagree: plain is not proved, draft (the guard still backs off)
+                choice[name] = again[name].replace(reason="a second measurement found drafting that pays")
+                choice["tables"][name] = again["tables"].get(name, [])
+            else:
+                choice[name] = choice[name].replace(reason=choice[name].reason + "; two measurements agree")
+    return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started, "")
+
+
+def _choose(records: RoundRecords | None, costs: MachineCosts, base: RoundPolicy) -> dict[str, Any]:
     if records is None:
         armed = costs.arm(base, reason="the drafter ships no recorded rounds to replay")
-        choice = {"greedy": armed, "sampled": armed, "tables": {}}
-    else:
-        choice = choose_policies(records, costs, base)
-    return {"policies": {name: choice[name].to_dict() for name in ("greedy", "sampled")}, "costs": costs.to_dict(),
-            "tables": choice["tables"], "seconds": round(time.perf_counter() - started, 2)}
+        return {"greedy": armed, "sampled": armed, "tables": {}}
+    return choose_policies(records, costs, base)
 
 
-def _read_cache(path: Path, key: dict[str, Any]) -> dict[str, RoundPolicy] | None:
+def _unsettled(costs: MachineCosts, base: RoundPolicy) -> RoundPolicy:
+    """The shipped policy (never plain) when the timings stay too noisy, armed so the guard still backs off."""
+    return costs.arm(base).replace(source="shipped", reason="the timings were too noisy to tune on")
+
+
+def _finish(result: dict[str, Any], policies: dict[str, RoundPolicy], tables: dict, started: float,
+            note: str) -> dict[str, Any]:
+    result.update(policies={name: policies[name].to_dict() for name in NAMES}, tables=tables,
+                  seconds=round(time.perf_counter() - started, 2), cacheable=not note, note=note)
+    return result
+
+
+def _read_cache(path: Path, key: dict[str, Any]) -> tuple[dict[str, RoundPolicy] | None, str, bool]:
+    """``(policies, "", False)`` from a valid entry for ``key``; ``(None, why, realized)`` when it must be measured
+    again (missing, stale, unreadable, a field of the wrong type or range, a plain choice resting on one measurement;
+    ``realized``: a prediction the first real calls did not confirm)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-        if data.get("key") != key:
-            return None  # stale (another version, a hash collision): measure again
-        return _policies(data)
-    except FileNotFoundError:
-        return None
+        if not isinstance(data, dict) or data.get("key") != key:
+            return None, "", False  # stale (another version, a hash collision): measure again
+        policies = _policies(data, where=f"the cached round policy {path}", digest=path.stem)
+    except (FileNotFoundError, NotADirectoryError):  # nothing cached yet (or no cache folder at all)
+        return None, "", False
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        print(f"[hf-retrace] the cached round policy {path} is unreadable ({e}); measuring again.", file=sys.stderr)
-        return None
+        return None, f"the cached round policy {path} is unreadable ({e}); measuring again", False
+    for name, policy in policies.items():
+        realized = (data.get("realized") or {}).get(name)
+        if not policy.speculate and data.get("plain_measurements", 1) < 2:
+            return None, f"the cached {_LABELS[name]} choice of plain decoding rests on one measurement; measuring " \
+                         "again", False
+        if not (isinstance(realized, dict) and policy.expected_speedup):
+            continue
+        figure = realized.get("tokens_per_cost")
+        if isinstance(figure, (int, float)) and abs(figure / policy.expected_speedup - 1) > REALIZED_TOLERANCE \
+                and data.get("revisits", 0) < 1:
+            return None, (f"the cached {_LABELS[name]} policy predicted {policy.expected_speedup:.2f} tokens per "
+                          f"step-cost and its first calls realized {figure:.2f} (more than {REALIZED_TOLERANCE:.0%} "
+                          "apart); measuring again"), True
+    return policies, "", False
 
 
 def write_atomically(path: Path, data: dict[str, Any]) -> None:
     """Write JSON to ``path`` through a temporary file in the same folder and one rename: a reader sees the old file or
     the new one, never a part; two writers at once leave one of their files whole."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1), encoding="utf-8")
-    os.replace(tmp, path)
+    write_text_atomically(path, json.dumps(data, indent=1))
 
 
-def _policies(result: dict[str, Any]) -> dict[str, RoundPolicy]:
-    return {name: RoundPolicy.from_dict(result["policies"][name]) for name in ("greedy", "sampled")}
+def _policies(result: dict[str, Any], where: str = "round policy", digest: str | None = None
+              ) -> dict[str, RoundPolicy]:
+    """The result's policy per temperature, each checked field by field (``where`` names the file in an error);
+    with ``digest``, marked as this machine's cached choice (so its first calls' realized figure is recorded)."""
+    found = result.get("policies") if isinstance(result, dict) else None
+    if not isinstance(found, dict) or any(name not in found for name in NAMES):
+        raise ValueError(f"{where}: expected \"policies\" with a \"greedy\" (T=0) and a \"sampled\" (T>0) "
+                         "round policy, as `hf-retrace tune --json` writes")
+    policies = {name: RoundPolicy.from_dict(found[name], where=f"{where}, policies.{name}") for name in NAMES}
+    if digest is None:
+        return policies
+    step = (result.get("costs") or {}).get("step_seconds")  # the unit the first calls' figure is counted in
+    return {name: policy.replace(extra={"cache_digest": digest, "temperature": name, "step_seconds": step})
+            for name, policy in policies.items()}
 
 
-def tune_and_cache(target: Any, drafter: Any) -> tuple[dict[str, Any], Path]:
-    """Tune now (whatever the cache holds) and cache the result for this machine; returns it and the cache path."""
+def tune_and_cache(target: Any, drafter: Any, revisits: int = 0) -> tuple[dict[str, Any], Path]:
+    """Tune now (whatever the cache holds) and cache the result for this machine when it may be (``result["cached"]``
+    says whether it was, ``result["cache_note"]`` why not); returns it and the cache path."""
     key = machine_key(target, drafter)
-    path = policy_cache_dir() / f"{_key_digest(key)}.json"
+    digest = _key_digest(key)
+    path = policy_cache_dir() / f"{digest}.json"
     result = tune(target, drafter)
-    try:
-        write_atomically(path, {"key": key, **result, "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
-    except OSError as e:
-        print(f"[hf-retrace] could not cache the round policy in {path} ({e}); it is used for this process only.",
-              file=sys.stderr)
+    result["cached"], result["cache_note"] = False, result.get("note", "")
+    if result.get("cacheable", True):
+        plain = sum(1 for name in NAMES if not result["policies"][name].get("speculate", True))
+        kept = {name: value for name, value in result.items() if name not in ("cached", "cache_note")}
+        entry = {"key": key, **kept, "plain_measurements": len(result.get("measurements", [1])) if plain else 0,
+                 "revisits": revisits, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        try:
+            write_atomically(path, entry)
+            result["cached"] = True
+        except OSError as e:
+            result["cache_note"] = f"could not write the cache {path} ({e}); the policy is used for this process only"
     with _LOCK:
-        _MEMO[_key_digest(key)] = _policies(result)
+        _MEMO[digest] = _policies(result, digest=digest if result["cached"] else None)
+        _REALIZED.pop(digest, None)
     return result, path
+
+
+def cache_line(result: dict[str, Any], path: Path) -> str:
+    """What happened to a tuning result, in words: cached where every later generate finds it, or why not."""
+    if result.get("cached"):
+        return f"cached in {path}: every later generate with this target, drafter, dtype and machine uses it"
+    return f"not cached: {result.get('cache_note') or 'not written'}"
 
 
 def tuned_policies(target: Any, drafter: Any) -> dict[str, RoundPolicy]:
     """This machine's policies for ``target`` + ``drafter``: memoised, else cached on disk, else tuned now."""
     key = machine_key(target, drafter)
     digest = _key_digest(key)
+    path = policy_cache_dir() / f"{digest}.json"
     with _LOCK:
         if digest in _MEMO:
             return _MEMO[digest]
-        policies = _read_cache(policy_cache_dir() / f"{digest}.json", key)
+        policies, why, realized = _read_cache(path, key)
         if policies is not None:
             _MEMO[digest] = policies
             return policies
-    print("[hf-retrace] tuning the round policy for this machine (once; measuring costs)...", file=sys.stderr,
-          flush=True)
-    result, path = tune_and_cache(target, drafter)
-    policies = _policies(result)
-    print(f"[hf-retrace] tuned in {result['seconds']:.1f} s (cached in {path}): T=0 {policies['greedy'].describe()}; "
-          f"T>0 {policies['sampled'].describe()}", file=sys.stderr, flush=True)
+    revisits = 0
+    if why:
+        print(f"[hf-retrace] {why}.", file=sys.stderr, flush=True)
+        revisits = _entry_field(path, "revisits", 0) + realized
+    print("[hf-retrace] tuning the round policy for this machine (measuring costs)...", file=sys.stderr, flush=True)
+    result, path = tune_and_cache(target, drafter, revisits=revisits)
+    with _LOCK:
+        policies = _MEMO[digest]
+    print(f"[hf-retrace] tuned in {result['seconds']:.1f} s ({cache_line(result, path)}): T=0 "
+          f"{policies['greedy'].describe()}; T>0 {policies['sampled'].describe()}", file=sys.stderr, flush=True)
     return policies
+
+
+def _entry_field(path: Path, name: str, default: Any) -> Any:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8")).get(name, default)
+    except (OSError, ValueError, AttributeError):
+        return default
+    return value if isinstance(value, type(default)) else default
+
+
+# --- the first real calls against the prediction --------------------------------------------------------------------
+_REALIZED: dict[str, dict[str, list[float] | None]] = {}  # digest -> temperature -> [tokens, step-costs]; None: written
+
+
+def realized_figure(stats: Any, step_seconds: float) -> tuple[float, float]:
+    """``(tokens, step-costs)`` one call committed and paid in its drafting rounds: the tokens of every round plus
+    the guard's plain positions, over the rounds' wall time (drafter and verify, as the generator clocks them) in
+    one-token steps of ``step_seconds`` plus one step per plain position."""
+    tokens = sum(stats.acceptance_lengths) + stats.guard_plain_steps
+    cost = (stats.draft_seconds + stats.verify_seconds) / step_seconds + stats.guard_plain_steps
+    return float(tokens), float(cost)
+
+
+def note_realized(policy: RoundPolicy, all_stats: Any) -> None:
+    """The call observer ``import hf_retrace`` installs: while this process's first calls with the machine's cached
+    choice (unchanged by a view) commit :data:`REALIZED_TOKENS`, add up their realized tokens per step-cost; then
+    record it once in the cache entry beside the prediction (the next process start measures again when they are
+    more than :data:`REALIZED_TOLERANCE` apart)."""
+    digest, name = policy.extra.get("cache_digest"), policy.extra.get("temperature")
+    if digest is None or name is None or not policy.speculate:
+        return
+    with _LOCK:
+        memo = _MEMO.get(digest)
+        if memo is None or memo[name] != policy:  # a view changed it: not the cached choice's figure
+            return
+        totals = _REALIZED.setdefault(digest, {}).setdefault(name, [0.0, 0.0])
+        if totals is None:  # already recorded in this process
+            return
+        step = policy.extra.get("step_seconds")
+        if not isinstance(step, (int, float)) or step <= 0:
+            return
+        for stats in all_stats:
+            tokens, cost = realized_figure(stats, step)
+            totals[0] += tokens
+            totals[1] += cost
+        if totals[0] < REALIZED_TOKENS or totals[1] <= 0:
+            return
+        _REALIZED[digest][name] = None  # recorded once per process
+        path = policy_cache_dir() / f"{digest}.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data.setdefault("realized", {})[name] = {"tokens_per_cost": round(totals[0] / totals[1], 3),
+                                                     "tokens": int(totals[0]),
+                                                     "predicted": policy.expected_speedup}
+            write_atomically(path, data)
+        except (OSError, ValueError, AttributeError):
+            return  # the entry went away or cannot be written: nothing to compare next time
 
 
 def _env_policy(value: str, drafter: Any, do_sample: bool) -> RoundPolicy:
@@ -199,19 +347,33 @@ def _env_policy(value: str, drafter: Any, do_sample: bool) -> RoundPolicy:
         return shipped_policy(drafter.config).replace(speculate=False, source="env",
                                                        reason=f"{POLICY_ENV_VAR}=off")
     path = Path(value).expanduser()
+    where = f"{POLICY_ENV_VAR}={value}"
     if not path.is_file():
-        raise ValueError(f"{POLICY_ENV_VAR}={value!r}: expected auto, shipped, off, or the path of a JSON policy file "
+        raise ValueError(f"{where}: expected auto, shipped, off, or the path of a JSON policy file "
                          "(RoundPolicy.to_dict, or `hf-retrace tune --json`'s output); no such file.")
-    data = json.loads(path.read_text(encoding="utf-8"))
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{where}: the file cannot be read ({e}).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e}); expected a RoundPolicy.to_dict() object or "
+                         "`hf-retrace tune --json`'s output.") from None
     if isinstance(data, dict) and "policies" in data:
-        data = data["policies"]["sampled" if do_sample else "greedy"]
-    return RoundPolicy.from_dict(data).replace(source=f"file {path.name}")
+        return _policies(data, where=where)["sampled" if do_sample else "greedy"].replace(source=f"file {path.name}")
+    return RoundPolicy.from_dict(data, where=where).replace(source=f"file {path.name}")
+
+
+def env_policy(drafter: Any, do_sample: bool = False) -> RoundPolicy | None:
+    """The policy ``HF_RETRACE_POLICY`` asks for (None: ``auto``, the tuned one), checked now: a ``ValueError`` names
+    the variable, the file and the field. A command line calls it before loading anything expensive."""
+    value = os.environ.get(POLICY_ENV_VAR, "auto").strip() or "auto"
+    return None if value == "auto" else _env_policy(value, drafter, do_sample)
 
 
 def auto_policy(drafter: Any, target: Any, generation_config: Any) -> RoundPolicy:
     """The resolver ``import hf_retrace`` installs (:func:`~hf_retrace.generation.policy.set_policy_resolver`)."""
     do_sample = bool(getattr(generation_config, "do_sample", False))
-    value = os.environ.get(POLICY_ENV_VAR, "auto").strip() or "auto"
-    if value != "auto":
-        return _env_policy(value, drafter, do_sample)
+    policy = env_policy(drafter, do_sample)
+    if policy is not None:
+        return policy
     return tuned_policies(target, drafter)["sampled" if do_sample else "greedy"]

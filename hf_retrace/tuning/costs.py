@@ -1,6 +1,13 @@
 """What a round costs on this machine, in one-token target steps: the target's verify forward over ``k`` drafts and
 the drafter's round. Timed on random inputs with separate random generators, so a call's sampling is untouched.
 
+A busy moment must not set the policy for good: each verify is timed between two one-token forwards (a slowdown
+that lasts cancels in the ratio), every ``k`` at least :data:`MIN_PASSES` times in interleaved passes, the median
+ratio per ``k`` kept, the curve fitted monotone by isotonic regression (one high ``k`` is pooled with its
+neighbours, not carried to every longer ``k``) and checked against the one-token step of the same window. When the
+repeats disagree (:data:`SPREAD_LIMIT`) or a verify costs more than its tokens as separate steps, the timing is done
+again; when that stays so, the costs say ``settled=False`` and the tuner keeps the shipped policy uncached.
+
 Example::
 
     costs = measure_costs(target, drafter, max_drafts=16)
@@ -9,23 +16,31 @@ Example::
 
 from __future__ import annotations
 
+import random
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
-from ..generation.candidate_generator import drafter_first
+from ..generation.proposal import on_accelerator, one_transfer
 from ..generation.placement import synchronize
 from ..generation.policy import LOOKUP_COST, RoundPolicy, verify_cost
 from ..generation.target_features import cache_kwargs
 
-__all__ = ["MachineCosts", "measure_costs", "measure_draft_cost", "measure_verify_costs", "timed"]
+__all__ = ["MachineCosts", "VerifyFit", "fit_verify_costs", "measure_costs", "measure_draft_cost",
+           "measure_verify_costs", "sample_verify_ratios", "timed"]
 
 PROBE_POINTS = (1, 2, 3, 4, 8, 16)  # timed against a one-token forward; the k between are interpolated
-SHORT_DRAFTS = 4  # verifies this short are timed on every pass (the common case); longer ones on the first only
+SHORT_DRAFTS = 4  # verifies this short get the passes past MIN_PASSES (the common case, and the cheap one)
+MIN_PASSES = 3  # every timed k at least this often: a median that one blip cannot move
+SPREAD_LIMIT = 0.2  # a k's repeats disagree when their robust spread (1.4826 MAD / median) is above this
+PLAUSIBLE_SLACK = 0.25  # a verify of k + 1 tokens costs at most (k + 1) one-token steps, plus this share
+STEADY_TRIES = 3  # a sample whose two one-token steps disagree (by SPREAD_LIMIT) is timed again, this often at most
+ATTEMPTS = 2  # timings that stay unsettled after this many attempts leave the shipped policy in place, uncached
 
 
 def timed(fn: Any, device: Any) -> float:
@@ -42,7 +57,9 @@ class MachineCosts:
     """``verify_costs[k]``: the target's forward over ``k + 1`` new tokens / its one-token forward (k = 0..max);
     ``draft_cost_chunk`` / ``draft_cost_full``: a drafter round scoring 2 slots / the whole block, same unit;
     ``step_seconds``: the one-token forward itself; ``drafter_first``: the drafter runs on an accelerator, where rounds
-    launch its whole block before the lookup decision (:func:`~hf_retrace.generation.candidate_generator.drafter_first`).
+    launch its whole block before the lookup decision (:func:`~hf_retrace.generation.proposal.one_transfer`);
+    ``spread``: the largest disagreement between a timed ``k``'s repeats (:class:`VerifyFit`); ``settled``: False when
+    the timings stayed too noisy or implausible to decide on (the tuner keeps the shipped policy and caches nothing).
     """
 
     verify_costs: tuple[float, ...]
@@ -50,6 +67,8 @@ class MachineCosts:
     draft_cost_full: float
     step_seconds: float
     drafter_first: bool = False
+    spread: float = 0.0
+    settled: bool = True
 
     def draft_cost(self, confidence_cut: float | None) -> float:
         """A drafter round's cost under a cut (``None``: full blocks score every slot; else mostly the first chunk; in
@@ -58,10 +77,13 @@ class MachineCosts:
 
     def arm(self, policy: RoundPolicy, **changes: Any) -> RoundPolicy:
         """``policy`` (with ``changes``) priced on this machine: the verify curve, the drafter round its cut pays, and a
-        lookup round's cost (in the accelerator order it pays the drafter's whole block too). Sampled proposals run a
-        processor per slot, so their rounds keep the CPU order on every device and are priced so."""
+        lookup round's cost (in the accelerator order it pays the drafter's whole block too). The order is the
+        generator's own rule (:func:`~hf_retrace.generation.proposal.one_transfer`), or the policy's ``one_transfer``
+        where set; a call's per-slot processors are not known here (a tuned policy is shared by calls)."""
         policy = policy.replace(**changes)
-        costs = self if policy.proposal_mode == "argmax" else replace(self, drafter_first=False)
+        accelerator = self.drafter_first if policy.one_transfer is None else policy.one_transfer
+        in_one = one_transfer(accelerator, sampled_proposals=policy.proposal_mode == "sample")
+        costs = replace(self, drafter_first=in_one)
         lookup = LOOKUP_COST + (costs.draft_cost_full if costs.drafter_first else 0.0)
         return policy.replace(verify_costs=costs.verify_costs, draft_cost=costs.draft_cost(policy.confidence_cut),
                               lookup_cost=lookup)
@@ -69,12 +91,14 @@ class MachineCosts:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["verify_costs"] = [round(c, 4) for c in self.verify_costs]
+        data["spread"] = round(self.spread, 4)
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "MachineCosts":
         return cls(tuple(data["verify_costs"]), float(data["draft_cost_chunk"]), float(data["draft_cost_full"]),
-                   float(data["step_seconds"]), bool(data.get("drafter_first", False)))
+                   float(data["step_seconds"]), bool(data.get("drafter_first", False)),
+                   float(data.get("spread", 0.0)), bool(data.get("settled", True)))
 
 
 def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -95,19 +119,88 @@ def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256
                          points: Sequence[int] = PROBE_POINTS) -> list[float]:
     """``costs[k]`` for k = 0..``max_drafts``: seconds of a target forward over ``k + 1`` new tokens on a cached
     context / that of one token. ``k`` on ``points`` is timed, the ``k`` between interpolated, the ``k`` past the
-    longest point extended along its last step."""
-    ratios, _ = _verify_ratios(target, max_drafts, context_length, repeats, points)
-    return _relative(ratios, max_drafts)
+    longest point extended along its last step (:func:`fit_verify_costs`)."""
+    probe = _verify_probe(target, max_drafts, context_length)
+    ratios, _ = sample_verify_ratios(probe, _probe_points(max_drafts, points), repeats)
+    return fit_verify_costs(ratios, max_drafts).costs
 
 
-def _relative(ratios: dict[int, float], max_drafts: int) -> list[float]:
-    """Costs relative to the one-token forward for k = 0..``max_drafts``, never falling with ``k`` (a timing blip is
-    not a cheaper verify); past the longest timed ``k``, extended along its last step (:func:`verify_cost`)."""
-    costs, floor = [], 1.0
-    for ratio in _interpolate({0: 1.0, **ratios}, min(max_drafts, max(ratios, default=0))):
-        floor = max(floor, ratio)
-        costs.append(floor)
-    return [verify_cost(costs, k) for k in range(max_drafts + 1)]
+def _probe_points(max_drafts: int, points: Sequence[int] = PROBE_POINTS) -> list[int]:
+    return sorted({k for k in points if 0 < k <= max_drafts} | {min(max_drafts, max(points))} - {0})
+
+
+def sample_verify_ratios(probe: Callable[[int], float], ks: Sequence[int], repeats: int = 5,
+                         budget_seconds: float = 1.5, passes: int = MIN_PASSES) -> tuple[dict[int, list[float]],
+                                                                                         list[float]]:
+    """Per ``k`` in ``ks``: the seconds of ``probe(k)`` (a forward over ``k + 1`` tokens) over the mean of the
+    one-token forwards timed just before and just after it, once per pass (timed again, up to :data:`STEADY_TRIES`,
+    while those two disagree: the load changed inside the sample); and every one-token forward's seconds.
+    Every ``k`` gets ``passes`` passes (odd ones in reverse order, so no ``k`` always follows the same one); the
+    verifies of up to :data:`SHORT_DRAFTS` drafts get more, up to ``repeats``, while ``budget_seconds`` last."""
+    ratios: dict[int, list[float]] = {k: [] for k in ks}
+    phase = random.Random(0)
+    steps = [probe(0)]
+    started = time.perf_counter()
+    for index in range(max(repeats, passes)):
+        if index >= passes and time.perf_counter() - started > budget_seconds:
+            break
+        order = list(ks) if index % 2 == 0 else list(reversed(ks))
+        for k in order if index < passes else [k for k in order if k <= SHORT_DRAFTS]:
+            if phase.random() < 0.5:  # no k always lands on the same beat of a load that comes and goes
+                steps.append(probe(0))
+            for _ in range(STEADY_TRIES):  # a load that came or went inside the sandwich: time this k again
+                took = probe(k)
+                steps.append(probe(0))
+                if abs(steps[-1] / steps[-2] - 1) <= SPREAD_LIMIT:
+                    break
+            ratios[k].append(took / ((steps[-2] + steps[-1]) / 2))
+    return ratios, steps
+
+
+@dataclass(frozen=True)
+class VerifyFit:
+    """The verify curve fitted to paired timings: ``costs[k]`` for k = 0..max (monotone, in one-token steps);
+    ``medians`` per timed ``k``; ``spread``: the largest robust spread of a ``k``'s repeats (1.4826 MAD / median);
+    ``implausible``: the ``k`` whose median costs more than ``k + 1`` separate steps (plus :data:`PLAUSIBLE_SLACK`)."""
+
+    costs: list[float]
+    medians: dict[int, float]
+    spread: float
+    implausible: tuple[int, ...]
+
+    @property
+    def settled(self) -> bool:
+        """The timings agree with themselves and with the one-token step: a curve to decide on."""
+        return self.spread <= SPREAD_LIMIT and not self.implausible
+
+
+def _isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in weighted least squares (pool adjacent violators): a high
+    value is averaged with the ones after it until the run is monotone, never copied forward as a running max is."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, count]
+    for value, weight in zip(values, weights):
+        blocks.append([value, weight, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (v1, w1, n1), (v2, w2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
+    return [value for value, _, count in blocks for _ in range(count)]
+
+
+def fit_verify_costs(ratios: dict[int, list[float]], max_drafts: int) -> VerifyFit:
+    """:class:`VerifyFit` from :func:`sample_verify_ratios`' ratios: the median per ``k``, isotonic over ``k`` (the
+    one-token forward, ``k = 0``, pinned at 1), interpolated between timed ``k`` and extended past the longest along
+    its last step (:func:`~hf_retrace.generation.policy.verify_cost`)."""
+    timed_ks = sorted(k for k, values in ratios.items() if values)
+    medians = {k: statistics.median(ratios[k]) for k in timed_ks}
+    spread = 0.0
+    for k in timed_ks:
+        deviation = statistics.median(abs(r - medians[k]) for r in ratios[k])
+        spread = max(spread, 1.4826 * deviation / medians[k])
+    implausible = tuple(k for k in timed_ks if medians[k] > (k + 1) * (1 + PLAUSIBLE_SLACK))
+    fitted = _isotonic([1.0] + [medians[k] for k in timed_ks], [1e6] + [len(ratios[k]) for k in timed_ks])
+    points = {k: max(1.0, value) for k, value in zip(timed_ks, fitted[1:])}
+    costs = _interpolate({0: 1.0, **points}, min(max_drafts, max(timed_ks, default=0)))
+    return VerifyFit([verify_cost(costs, k) for k in range(max_drafts + 1)], medians, spread, implausible)
 
 
 def _context_cache(target: Any, ids: torch.Tensor, context_length: int) -> DynamicCache:
@@ -132,46 +225,34 @@ def _context_cache(target: Any, ids: torch.Tensor, context_length: int) -> Dynam
     return cache
 
 
-def _verify_ratios(target: Any, max_drafts: int, context_length: int, repeats: int, points: Sequence[int],
-                   budget_seconds: float = 1.5) -> tuple[dict[int, float], float]:
-    """Per timed ``k``: the fastest forward over ``k + 1`` tokens / the fastest one-token forward, both timed
-    interleaved (timing noise on a busy machine only ever adds, so the fastest pass is the truest); and that one-token
-    forward, in seconds. Verifies of up to :data:`SHORT_DRAFTS` drafts, the common case and the cheap one, are timed
-    on every pass; the longer ones on the first pass only. Passes stop after ``repeats``, or after ``budget_seconds``
-    once one pass counted (a slow machine waits less at first use)."""
+@torch.inference_mode()
+def _verify_probe(target: Any, max_drafts: int, context_length: int) -> Callable[[int], float]:
+    """``probe(k)``: seconds of the target's forward over ``k + 1`` new tokens on a cached ``context_length``
+    context (the new positions cropped again after each), warmed up once."""
     device = target.get_input_embeddings().weight.device
     vocab = target.config.get_text_config().vocab_size
-    ks = sorted({k for k in points if 0 < k <= max_drafts} | {min(max_drafts, max(points))} - {0})
     ids = torch.randint(0, vocab, (1, context_length + max_drafts + 1), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     cache = _context_cache(target, ids, context_length)
 
-    def forward(k: int) -> float:
+    @torch.inference_mode()
+    def probe(k: int) -> float:
         new = ids[:, context_length : context_length + k + 1]
         took = timed(lambda: target(input_ids=new, **cache_kwargs(target, cache), use_cache=True), device)
         cache.crop(-(k + 1))  # negative: drop the k + 1 new positions (transformers 4.57 and 5.x)
         return took
 
-    forward(0)  # warm-up; a shape's first forward costs little more than its next ones, so all of them count
-    times: dict[int, list[float]] = {0: [], **{k: [] for k in ks}}
-    started = time.perf_counter()
-    for repeat in range(max(repeats, 1)):
-        if repeat and time.perf_counter() - started > budget_seconds:
-            break
-        for k in ks if not repeat else [k for k in ks if k <= SHORT_DRAFTS]:
-            times[0].append(forward(0))
-            times[k].append(forward(k))
-    if not times[0]:
-        times[0] = [forward(0) for _ in range(max(repeats, 1))]
-    step = min(times[0])
-    return {k: min(t) / step for k, t in times.items() if k}, step
+    probe(0)  # warm-up; a shape's first forward costs little more than its next ones, so all of them count
+    return probe
 
 
 @torch.inference_mode()
 def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_length: int = 256,
-                       repeats: int = 3) -> tuple[float, float]:
-    """(a drafter round scoring 2 slots, one scoring the whole block), each / ``step_seconds``: one forward over
-    ``[anchor, MASK x (B-1)]`` reading one new context row on a cached context, then the draft head."""
+                       repeats: int = 3, step_probe: Callable[[], float] | None = None) -> tuple[float, float]:
+    """(a drafter round scoring 2 slots, one scoring the whole block), in one-token steps: one forward over
+    ``[anchor, MASK x (B-1)]`` reading one new context row on a cached context, then the draft head. With
+    ``step_probe`` (a one-token target forward), each round is timed against the step just after it and the median
+    ratio kept (a slowdown that lasts cancels); without, the fastest round over ``step_seconds``."""
     device = drafter.device
     block_size = drafter.config.block_size
     features = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
@@ -194,20 +275,28 @@ def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_l
         drafter.compute_logits(hidden[0, 1 : rows + 1], head).softmax(-1).amax(-1)
 
     chunk = min(2, block_size - 1)
-    times = {chunk: [], block_size - 1: []}
-    for repeat in range(repeats + 1):
-        for rows in times:
+    ratios: dict[int, list[float]] = {chunk: [], block_size - 1: []}
+    for repeat in range(max(repeats, MIN_PASSES if step_probe else 1) + 1):
+        for rows in ratios:
             took = timed(lambda: round_(rows), device)
-            if repeat:
-                times[rows].append(took)
-    return min(times[chunk]) / step_seconds, min(times[block_size - 1]) / step_seconds
+            if repeat:  # the first is a warm-up
+                ratios[rows].append(took / (step_probe() if step_probe else step_seconds))
+    pick = statistics.median if step_probe else min
+    return pick(ratios[chunk]), pick(ratios[block_size - 1])
 
 
+@torch.inference_mode()
 def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_length: int = 256,
-                  repeats: int = 5) -> MachineCosts:
-    """This machine's :class:`MachineCosts` for ``target`` and ``drafter`` (about 1-3 s for a 135M target on 2 CPU
-    cores)."""
+                  repeats: int = 5, attempts: int = ATTEMPTS) -> MachineCosts:
+    """This machine's :class:`MachineCosts` for ``target`` and ``drafter`` (about 2-4 s for a 135M target on 2 CPU
+    cores). Timings that stay unsettled (:attr:`VerifyFit.settled`) over ``attempts`` give ``settled=False``."""
     max_drafts = max(max_drafts, drafter.config.block_size - 1)
-    ratios, step = _verify_ratios(target, max_drafts, context_length, repeats, PROBE_POINTS)
-    chunk, full = measure_draft_cost(target, drafter, step, context_length, repeats)
-    return MachineCosts(tuple(_relative(ratios, max_drafts)), chunk, full, step, drafter_first(drafter.device))
+    probe = _verify_probe(target, max_drafts, context_length)
+    for _ in range(max(attempts, 1)):  # a busy moment passes: time again before giving up on this window
+        ratios, steps = sample_verify_ratios(probe, _probe_points(max_drafts), repeats)
+        fit = fit_verify_costs(ratios, max_drafts)
+        if fit.settled:
+            break
+    step = statistics.median(steps)
+    chunk, full = measure_draft_cost(target, drafter, step, context_length, repeats, step_probe=lambda: probe(0))
+    return MachineCosts(tuple(fit.costs), chunk, full, step, on_accelerator(drafter.device), fit.spread, fit.settled)

@@ -1,9 +1,10 @@
-"""Replay a round policy over recorded answers: the generator's round rule, walked offline.
+"""Replay a round policy over recorded answers: the generator's own :class:`~hf_retrace.generation.round.Round`,
+walked offline with a source that replays the drafter's recorded blocks.
 
-The walker asks the same :class:`~hf_retrace.generation.policy.RoundPolicy` methods the generator asks (lookup first
-when an n-gram matches, within its budget; else the drafter's block cut by :meth:`RoundPolicy.cut`; the budget's
-next value; the guard's back-off), so a replay and a real call agree round by round (``tests/test_tuning.py``).
-Costs are the policy's: one-token target steps per round (:meth:`RoundPolicy.round_cost`).
+The round is the generator's (guard, context lookup first within its budget, else the drafter's block cut by
+:meth:`RoundPolicy.cut`; every verdict observed), so a replay and a real call agree round by round
+(``tests/test_tuning.py``). The verdict is the recorded greedy answer's; costs are the policy's: one-token target
+steps per round (:meth:`RoundPolicy.round_cost`).
 
 Example::
 
@@ -15,11 +16,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..generation.lookup import ContextLookup
+from ..generation.lookup_source import LookupSource
 from ..generation.policy import RoundPolicy
+from ..generation.proposal import Proposal, RoundInputs, Verdict
+from ..generation.round import Round
+from ..stats import GenerationStats
 from .records import AnswerRecord
 
-__all__ = ["accepted_prefix", "replay", "replay_rounds"]
+__all__ = ["RecordedDrafts", "accepted_prefix", "replay", "replay_rounds"]
 
 
 def accepted_prefix(proposal: Sequence[int], tokens: Sequence[int], anchor: int) -> int:
@@ -29,6 +33,25 @@ def accepted_prefix(proposal: Sequence[int], tokens: Sequence[int], anchor: int)
     while n < limit and proposal[n] == tokens[anchor + 1 + n]:
         n += 1
     return n
+
+
+class RecordedDrafts:
+    """The drafter as a proposal source, replayed: the full block recorded at each position of one answer, cut by the
+    policy (the drafter's confidences were recorded with it)."""
+
+    name = "drafter"
+
+    def __init__(self, record: AnswerRecord, policy: RoundPolicy, max_drafts: int):
+        self.record, self.policy, self.max_drafts = record, policy, max_drafts
+
+    def propose(self, inputs: RoundInputs) -> Proposal:
+        at = inputs.anchor - self.record.start
+        k = min(self.policy.cut(self.record.confidences[at][: self.max_drafts]), self.max_drafts, inputs.room)
+        drafts = list(self.record.drafts[at][:k])
+        return Proposal(self.name, inputs.anchor, drafts, drafts)
+
+    def observe(self, proposal: Proposal, verdict: Verdict) -> None:
+        """Recorded blocks do not depend on earlier verdicts."""
 
 
 def replay(answers: Sequence[AnswerRecord], policy: RoundPolicy, max_drafts: int,
@@ -41,37 +64,22 @@ def replay(answers: Sequence[AnswerRecord], policy: RoundPolicy, max_drafts: int
     log: list[tuple[str, int, int]] = []
     for record in answers:
         seq, end = record.tokens, len(record.tokens)
-        index = ContextLookup(policy.lookup_max_ngram) if policy.lookup else None
-        budget = policy.first_lookup_budget()
-        guard = policy.guard()
+        sources = [LookupSource(policy)] if policy.lookup else []
+        round_ = Round(policy, [*sources, RecordedDrafts(record, policy, max_drafts)], GenerationStats())
         p = record.start
         while p < end - 1:
-            room = end - p - 2  # drafts that still leave a bonus token inside the answer
-            if room <= 0 or not policy.speculate or (guard is not None and not guard.drafts_at(p)):
+            inputs = RoundInputs(p, end - p - 2, host_sequence=seq)  # room: drafts that still leave a bonus token
+            proposal = round_.propose(inputs) if policy.speculate else None
+            if proposal is None:
                 tokens, cost, plain_steps, p = tokens + 1, cost + 1.0, plain_steps + 1, p + 1
                 continue
-            proposal, source = None, "drafter"
-            if index is not None:
-                index.extend(seq[len(index) : p + 1])
-                matched, continuation = index.propose(min(budget, room), policy.lookup_min_ngram)
-                if matched:
-                    proposal, source = continuation, "lookup"
-            if proposal is None:
-                a = p - record.start
-                k = min(policy.cut(record.confidences[a][:max_drafts]), max_drafts, room)
-                proposal = record.drafts[a][:k]
-            k = len(proposal)
-            accepted = accepted_prefix(proposal, seq, p)
-            if source == "lookup":
-                budget = policy.next_lookup_budget(k, accepted)
-                lookup_rounds += 1
-            if guard is not None:
-                guard.record(p, k, accepted, source == "lookup")
-            tokens += accepted + 1
-            cost += policy.round_cost(k, source == "lookup")
-            rounds += 1
+            accepted = accepted_prefix(proposal.host_tokens, seq, p)
+            round_.observe(proposal, Verdict(accepted))
+            from_lookup = proposal.source == "lookup"
+            tokens, cost = tokens + accepted + 1, cost + policy.round_cost(len(proposal), from_lookup)
+            rounds, lookup_rounds = rounds + 1, lookup_rounds + from_lookup
             if keep_rounds:
-                log.append((source, k, accepted))
+                log.append((proposal.source, len(proposal), accepted))
             p += accepted + 1
     result = {"tokens_per_cost": tokens / cost if cost else 0.0, "tau": (tokens - plain_steps) / max(rounds, 1),
               "lookup_share": lookup_rounds / max(rounds, 1), "rounds": rounds, "tokens": tokens,

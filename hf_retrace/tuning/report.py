@@ -6,7 +6,7 @@ from typing import Any
 
 from ..generation.policy import RoundPolicy
 
-__all__ = ["print_tuning"]
+__all__ = ["print_tuning", "print_verification"]
 
 
 def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
@@ -37,4 +37,20 @@ def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
                 if len(seen) == 8:
                     break
         print(f"[hf-retrace] {label}: {RoundPolicy.from_dict(result['policies'][name]).describe()}")
-    print(f"[hf-retrace] tuning took {result['seconds']:.1f} s")
+    measured = len(result.get("measurements", [])) or 1
+    print(f"[hf-retrace] tuning took {result['seconds']:.1f} s ({measured} cost measurement{'s' * (measured > 1)}; "
+          f"largest spread between repeats {costs.get('spread', 0.0):.2f})")
+    if result.get("note"):
+        print(f"[hf-retrace] {result['note']}")
+
+
+def print_verification(rows: list[dict[str, Any]]) -> None:
+    """Print ``verify_tuning``'s rows: each arm's predicted tokens per step-cost against its realized speed-up."""
+    print("\npredicted against realized (decode speed over plain, prefill excluded):")
+    print("| T | arm | policy | predicted | realized | realized / predicted | tau |\n|---|---|---|---|---|---|---|")
+    for row in rows:
+        predicted = row["predicted"]
+        ratio = f"{row['realized'] / predicted:.2f}" if predicted else "-"
+        shown = f"{predicted:.2f}" if predicted else "-"
+        print(f"| {row['temperature']} | {row['arm']} | {row['policy']} | {shown} | {row['realized']:.2f}x | {ratio} | "
+              f"{row['tau']:.2f} |")

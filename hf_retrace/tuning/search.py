@@ -21,7 +21,8 @@ from .costs import MachineCosts
 from .records import RoundRecords
 from .replay import accepted_prefix, replay, replay_rounds
 
-__all__ = ["CUTS", "LOOKUP_BUDGETS", "PLAIN_MARGIN", "TIE", "best_row", "choose_policies", "search_policy"]
+__all__ = ["CUTS", "LOOKUP_BUDGETS", "PLAIN_MARGIN", "TIE", "best_row", "choose_policies", "lookup_changes",
+           "runner_up", "search_policy"]
 
 CUTS: tuple[float | None, ...] = (None, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.8, 0.9)
 LOOKUP_BUDGETS: tuple[tuple[int, int] | None, ...] = (None, (1, 2), (1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16),
@@ -37,7 +38,8 @@ def best_row(table: Sequence[dict[str, Any]], tie: float = TIE) -> dict[str, Any
     return max((row for row in table if row["tokens_per_cost"] >= top * (1 - tie)), key=lambda row: row["tau"])
 
 
-def _budget(lookup: tuple[int, int] | None) -> dict[str, Any]:
+def lookup_changes(lookup: tuple[int, int] | None) -> dict[str, Any]:
+    """A table row's lookup budget ``(start, cap)`` (None: off) as :class:`RoundPolicy` fields."""
     return {"lookup": False} if lookup is None else {"lookup": True, "lookup_start": lookup[0],
                                                      "lookup_cap": lookup[1]}
 
@@ -50,7 +52,7 @@ def search_policy(answers: Sequence[Any], costs: MachineCosts, base: RoundPolicy
     table: list[dict[str, Any]] = []
 
     def walk(cut: float | None, lookup: tuple[int, int] | None) -> dict[str, Any]:
-        policy = costs.arm(base, confidence_cut=cut, **_budget(lookup))
+        policy = costs.arm(base, confidence_cut=cut, **lookup_changes(lookup))
         row = {"confidence_cut": cut, "lookup": lookup, "policy": policy, **replay(answers, policy, max_drafts)}
         table.append(row)
         return row
@@ -64,8 +66,21 @@ def search_policy(answers: Sequence[Any], costs: MachineCosts, base: RoundPolicy
     return best, table
 
 
-def _plain(reason: str, base: RoundPolicy) -> RoundPolicy:
-    return base.replace(speculate=False, reason=reason, source="tuned")
+def _plain(reason: str, base: RoundPolicy, costs: MachineCosts) -> RoundPolicy:
+    """Plain decoding, keeping ``base`` armed with the machine's costs: a view that asks for drafting on top of it
+    drafts with the guard on (docs/round-policy.md, precedence)."""
+    return costs.arm(base).replace(speculate=False, reason=reason, source="tuned")
+
+
+def runner_up(table: Sequence[dict[str, Any]], chosen: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The best replayed row of ``table`` whose cut and lookup budget differ from ``chosen``'s (from the table's best
+    when None): what ``hf-retrace tune --verify`` runs beside the choice."""
+    rows = sorted(table, key=lambda row: -row["tokens_per_cost"])
+    if not rows:
+        return None
+    first = chosen if chosen is not None else rows[0]
+    taken = (first["confidence_cut"], tuple(first["lookup"] or ()))
+    return next((row for row in rows if (row["confidence_cut"], tuple(row["lookup"] or ())) != taken), None)
 
 
 def choose_policies(records: RoundRecords, costs: MachineCosts, base: RoundPolicy) -> dict[str, Any]:
@@ -85,7 +100,7 @@ def choose_policies(records: RoundRecords, costs: MachineCosts, base: RoundPolic
         speedup = best["tokens_per_cost"]
         if speedup < 1 + PLAIN_MARGIN:
             policy = _plain(f"the best replayed policy commits {speedup:.2f} tokens per step-cost on this machine, "
-                            f"under plain decoding's 1 + {PLAIN_MARGIN:g}", base)
+                            f"under plain decoding's 1 + {PLAIN_MARGIN:g}", base, costs)
         else:
             policy = policy.replace(source="tuned", expected_speedup=round(speedup, 3))
         result[name] = policy

@@ -13,7 +13,9 @@ from __future__ import annotations
 import argparse
 
 from ...configuration import RETRACE_ABLATIONS
-from ...loading import AUTO_DTYPE, AUTO_DTYPE_HELP, AUTO_DTYPES, SHORT_DTYPES, add_device_arguments, dtype_arg
+from ...loading import (
+    AUTO_DTYPE, AUTO_DTYPE_HELP, AUTO_DTYPES, SHORT_DTYPES, add_device_arguments, drafter_arg, dtype_arg, target_arg,
+)
 from ..objective import DEFAULT_GAMMA
 from ..precomputed_features import DEFAULT_MAX_BATCH_TOKENS
 
@@ -38,7 +40,8 @@ def build_train_parser() -> argparse.ArgumentParser:
 
 def _add_run_arguments(p: argparse.ArgumentParser) -> None:
     """What to train, on what, where: target, data, output folder, stage, features."""
-    p.add_argument("--target", required=True, help='Hub id, local folder, or "default" (SmolLM2-135M-Instruct)')
+    p.add_argument("--target", type=target_arg, required=True,
+                   help='Hub id, local folder, or "default" (SmolLM2-135M-Instruct)')
     p.add_argument("--data", required=True, help="tokenized folder (manifest.json) from `hf-retrace data tokenize`")
     p.add_argument("--out", required=True, help="output folder: drafter, README.md, logs, checkpoints/")
     p.add_argument("--stage", choices=("backbone", "retrace"), default="backbone",
@@ -56,7 +59,8 @@ def _add_drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target-layer-ids", default=None, help="explicit tapped layers, e.g. 1,8,14,20,27")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="a spare row of the target's embeddings for MASK (default: a learned mask vector)")
-    p.add_argument("--init-from", default=None, help="fine-tune an existing drafter (folder or Hub id)")
+    p.add_argument("--init-from", type=drafter_arg, default=None,
+                   help="fine-tune an existing drafter (folder or Hub id)")
     p.add_argument("--copy-target-layers", nargs="?", const="last", default=None,
                    help="initialise drafter layers from target layers: 'last' (default) or a list like 20,25,29")
 
@@ -122,7 +126,7 @@ def _add_evaluation_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     """``hf-retrace data generate``: let the target answer prompts."""
-    p.add_argument("--target", required=True, help='Hub id, folder or "default"')
+    p.add_argument("--target", type=target_arg, required=True, help='Hub id, folder or "default"')
     p.add_argument("--prompts", required=True, nargs="+", help="prompt JSONL file(s)")
     p.add_argument("--out", required=True)
     p.add_argument("--suffix", default="", help="appended to every prompt")
@@ -151,7 +155,7 @@ def add_tokenize_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_features_arguments(p: argparse.ArgumentParser) -> None:
     """``hf-retrace data features``: precompute the target's tapped states."""
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", type=target_arg, required=True)
     p.add_argument("--data", required=True, help="tokenized folder")
     p.add_argument("--out", required=True)
     p.add_argument("--num-target-features", type=int, default=5)
@@ -166,7 +170,7 @@ def add_features_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_topk_arguments(p: argparse.ArgumentParser) -> None:
     """``hf-retrace data topk``: precompute the target's top-k next-token distributions (for --distill-weight)."""
-    p.add_argument("--target", required=True)
+    p.add_argument("--target", type=target_arg, required=True)
     p.add_argument("--data", required=True, help="tokenized folder")
     p.add_argument("--out", required=True, help="a folder of its own (not the --features-dir)")
     p.add_argument("--k", type=int, default=16, help="tokens kept per position (ids + log-probabilities, 8 B each)")
@@ -179,8 +183,8 @@ def add_topk_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_calibrate_arguments(p: argparse.ArgumentParser) -> None:
     """``hf-retrace calibrate``: record the drafter's rounds (``round_records.json.gz``) for the round-policy tuner."""
-    p.add_argument("--target", required=True, help='Hub id, folder or "default"')
-    p.add_argument("--drafter", required=True,
+    p.add_argument("--target", type=target_arg, required=True, help='Hub id, folder or "default"')
+    p.add_argument("--drafter", type=drafter_arg, required=True,
                    help="drafter folder (round_records.json.gz is written into it with --write)")
     p.add_argument("--data", default=None, help="tokenized folder; prompts are the sequences in --sequences")
     p.add_argument("--sequences", default=None, metavar="A:B",

@@ -284,8 +284,6 @@ def _check_drafter_flags(args: argparse.Namespace) -> None:
     if args.init_from and (args.copy_target_layers or args.mask_token_id is not None or args.target_layer_ids):
         raise usage_error("--init-from takes the drafter's shape from its checkpoint; drop --copy-target-layers, "
                           "--mask-token-id and --target-layer-ids.")
-    if args.init_from and not Path(args.init_from).exists() and "/" not in args.init_from:
-        raise usage_error(f"--init-from {args.init_from}: not a folder nor a Hub id (owner/name).")
     parse_ids(args.target_layer_ids)
     if args.copy_target_layers not in (None, "last"):
         parse_ids(args.copy_target_layers)

@@ -2,9 +2,9 @@
 
 Each public module-level function of the standard library and of the installed distributions whose licence is
 permissive becomes ``imports + def signature + docstring``, as HumanEval's ``prompt`` field is written, wrapped in the
-benchmark's instruction (:data:`HUMANEVAL_FORMAT`). Sources are read with :mod:`ast` (nothing is imported, so no
-import side effects). Private names, tests, ``@overload`` stubs, functions without named parameters and functions
-with a trivial docstring are skipped; prompts are deduplicated by normalized signature + docstring (and by the
+benchmark's instruction (:func:`hf_retrace.chat.humaneval_prompt`). Sources are read with :mod:`ast` (nothing is
+imported, so no import side effects). Private names, tests, ``@overload`` stubs, functions without named parameters
+and functions with a trivial docstring are skipped; prompts are deduplicated by normalized signature + docstring (and by the
 docstring alone), and any whose name or docstring is a benchmark problem's (``excluded``) is left out.
 
 Example::
@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...atomic import atomic_path
+from ...chat import humaneval_prompt
+
 logger = logging.getLogger(__name__)
 
-HUMANEVAL_FORMAT = (
-    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
-)
-"""The DFlash HumanEval prompt format (the same string as the benchmark's ``humaneval`` dataset)."""
 
 STDLIB_LICENCE = "PSF-2.0"
 _PERMISSIVE = re.compile(
@@ -65,7 +64,7 @@ class CodePrompt:
 
     @property
     def prompt(self) -> str:
-        return HUMANEVAL_FORMAT.format(prompt=self.code)
+        return humaneval_prompt(self.code)
 
     def record(self) -> dict[str, Any]:
         """The JSONL record (``prompt`` is what the target is asked; the rest says where it came from)."""
@@ -400,12 +399,10 @@ def write_code_prompts(prompts: Iterable[CodePrompt], out: str | os.PathLike[str
     out.parent.mkdir(parents=True, exist_ok=True)
     by_package: dict[str, int] = {}
     licences: dict[str, str] = {}
-    temporary = out.with_name(out.name + ".tmp")
-    with temporary.open("w", encoding="utf-8") as handle:
+    with atomic_path(out) as temporary, temporary.open("w", encoding="utf-8") as handle:
         for prompt in prompts:
             handle.write(json.dumps(prompt.record(), ensure_ascii=False) + "\n")
             by_package[prompt.package] = by_package.get(prompt.package, 0) + 1
             licences[prompt.package] = prompt.licence
-    temporary.replace(out)
     return {"num_prompts": sum(by_package.values()), "by_package": by_package, "licences": licences,
             "python": sys.version.split()[0]}

@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ...atomic import atomic_path
+from ...jsonl import iter_jsonl
+
 SECOND_TURN_SUFFIX = "-turn2"
 _BETWEEN_ITEMS = re.compile(r"[\s,]*")
 
@@ -103,8 +106,7 @@ def extract_turns(
 
 def read_turns(path: str | os.PathLike[str]) -> list[ConversationTurns]:
     """Turns written by :func:`write_jsonl` of ``ConversationTurns.record()`` (``id, turn1, turn2``)."""
-    with Path(path).open(encoding="utf-8") as handle:
-        return [ConversationTurns(**json.loads(line)) for line in handle if line.strip()]
+    return [ConversationTurns(**record) for _, record in iter_jsonl(Path(path))]
 
 
 def second_turn_records(
@@ -132,11 +134,9 @@ def write_jsonl(records: Iterable[Mapping[str, Any]], out: str | os.PathLike[str
     """Write records as JSONL through a temporary file and an atomic rename; return how many were written."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    temporary = out.with_name(out.name + ".tmp")
     count = 0
-    with temporary.open("w", encoding="utf-8") as handle:
+    with atomic_path(out) as temporary, temporary.open("w", encoding="utf-8") as handle:
         for record in records:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
             count += 1
-    temporary.replace(out)
     return count

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from ...atomic import atomic_path
 from ...jsonl import iter_jsonl
 from .jsonl import read_jsonl_tolerant
 
@@ -59,10 +60,8 @@ class ResponseShardWriter:
         return self.out_dir / f"responses-{self.index:05d}.jsonl{_PARTIAL_SUFFIX}"
 
     def _rewrite_partial(self) -> None:
-        temporary = self._partial_path.with_suffix(".tmp")
-        with temporary.open("w", encoding="utf-8") as handle:
+        with atomic_path(self._partial_path) as temporary, temporary.open("w", encoding="utf-8") as handle:
             handle.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in self.partial_records)
-        temporary.replace(self._partial_path)
 
     def append(self, records: Sequence[dict[str, Any]]) -> None:
         """Append one batch (one write, flushed and fsynced), promoting the shard whenever it fills up."""

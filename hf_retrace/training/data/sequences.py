@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...atomic import atomic_path, write_text_atomically
 from .chat_template import end_of_turn_token_id, prompt_token_ids
 from .conversations import first_turn_id
 from .response_shards import read_responses, response_shards
@@ -74,12 +75,9 @@ def _write_shard(
         "offsets": np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
     }
     for name, array in arrays.items():
-        temporary = stem.with_name(f"{stem.name}.{name}.tmp.npy")
-        np.save(temporary, array)
-        temporary.replace(stem.with_name(f"{stem.name}.{name}.npy"))
-    ids_path = stem.with_name(f"{stem.name}.ids.json")
-    ids_path.with_suffix(".tmp").write_text(json.dumps(list(ids)), encoding="utf-8")
-    ids_path.with_suffix(".tmp").replace(ids_path)
+        with atomic_path(stem.with_name(f"{stem.name}.{name}.npy")) as temporary:
+            np.save(temporary, array)
+    write_text_atomically(stem.with_name(f"{stem.name}.ids.json"), json.dumps(list(ids)))
     return {
         "name": stem.name,
         "num_sequences": len(sequences),
@@ -109,9 +107,7 @@ def _tokenization_settings(
 
 
 def _write_manifest(out_dir: Path, manifest: dict[str, Any]) -> None:
-    temporary = out_dir / (_MANIFEST + ".tmp")
-    temporary.write_text(json.dumps(manifest, indent=2), encoding="utf-8")
-    temporary.replace(out_dir / _MANIFEST)
+    write_text_atomically(out_dir / _MANIFEST, json.dumps(manifest, indent=2))
 
 
 def _chunks(records: Iterable[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:

@@ -1,0 +1,156 @@
+"""``hf-retrace bench --batch-size N``: batched ``generate`` with each drafting method against plain batched
+``generate``, at the same batch size and the same left padding.
+
+Each dataset's first turns are cut into batches of N prompts in the dataset's order (the last batch may be smaller),
+left-padded with the tokenizer's pad token. Per batch and method one timed ``generate`` call; before it, once per
+batch, one timed target forward over the padded batch (what ``generate``'s prefill does), subtracted from every
+method's time, as the single-request benchmark does (``runner``). The figures:
+
+- **throughput**: committed new tokens of all rows after each row's first (the prefill's), per decode second;
+  ``speedup`` = the method's throughput / plain batched throughput on the same batches;
+- **tau**: ``GenerationStats.mean_acceptance_length`` pooled over every row's rounds (the drafter's ``last_stats``);
+- **T=0 equality**: rows whose tokens differ from plain batched ``generate``'s row (in fp32 every one is a bug; in bf16
+  a verify over several tokens can round differently at a near-tie).
+
+Methods other than our drafter's (prompt lookup, native DFlash) are skipped: transformers' assisted loop refuses
+batches.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import torch
+
+from ..chat import prompt_token_ids
+from ..generation.placement import synchronize
+from ..sampling import sampling_kwargs
+from ..stats import GenerationStats
+from .loop import Bench
+from .plan import BenchPlan, BenchSpec
+
+__all__ = ["batched_markdown", "run_batched_benchmark"]
+
+
+def _padded(rows: list[list[int]], pad: int, device: Any) -> dict[str, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for b, row in enumerate(rows):
+        input_ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[b, width - len(row) :] = 1
+    return dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
+
+
+def _new_tokens(sequences: torch.Tensor, prompt_width: int, eos_ids: set[int]) -> list[list[int]]:
+    """Each row's committed new tokens: up to and with its first EOS (plain pads after it), else all of them."""
+    rows = []
+    for row in sequences[:, prompt_width:].tolist():
+        end = next((i + 1 for i, token in enumerate(row) if token in eos_ids), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+@torch.inference_mode()
+def _prefill_seconds(target: Any, batch: dict[str, torch.Tensor]) -> float:
+    synchronize(batch["input_ids"].device)
+    started = time.perf_counter()
+    out = target(**batch, use_cache=True, logits_to_keep=1)
+    synchronize(out.logits.device)
+    return time.perf_counter() - started
+
+
+def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> dict[str, Any]:
+    """Load the models, warm up, run every batch with plain and each drafting method; return the report dict."""
+    from .runner import _settings, load_models, temperature_label
+
+    target, tokenizer, drafters = load_models(plan)
+    bench = Bench(plan, target, tokenizer, drafters)
+    methods = sorted((m for m in bench.methods if m.kind in ("plain", "drafter")), key=lambda m: m.kind != "plain")
+    skipped = [m.name for m in bench.methods if m not in methods]
+    for name in skipped:
+        print(f"[hf-retrace bench] {name}: skipped at --batch-size {batch_size} (transformers' assisted loop, which "
+              "it runs in, refuses batches)", file=sys.stderr)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    eos = target.generation_config.eos_token_id
+    eos_ids = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+    device = target.get_input_embeddings().weight.device
+    batches = {dataset: [_padded(prompt_token_ids(tokenizer, [p.turns[0] for p in prompts[i : i + batch_size]]),
+                                 pad, device)
+                         for i in range(0, len(prompts), batch_size)]
+               for dataset, prompts in plan.prompts.items()}
+
+    def call(method: Any, batch: dict, temperature: float, seed: int, max_new_tokens: int) -> tuple[Any, float]:
+        torch.manual_seed(seed)
+        synchronize(device)
+        started = time.perf_counter()
+        out = target.generate(**batch, **bench.generate_kwargs(method), pad_token_id=pad,
+                              **sampling_kwargs(temperature, max_new_tokens))
+        synchronize(device)
+        return out, time.perf_counter() - started
+
+    if spec.warmup:  # the first forwards of a process are slow: keep them out of the timings
+        first = next(iter(batches.values()))[0]
+        for method in methods:
+            call(method, first, 0.0, spec.seeds[0], min(spec.max_new_tokens, 16))
+    rows = []
+    runs = [(t, s) for t in spec.temperatures for s in (spec.seeds if t > 0 else spec.seeds[:1])]
+    for dataset, dataset_batches in batches.items():
+        for temperature in spec.temperatures:
+            seeds = [s for t, s in runs if t == temperature]
+            totals = {m.name: dict(tokens=0, seconds=0.0, stats=[], differing=0, rows=0) for m in methods}
+            for batch in dataset_batches:
+                prefill = _prefill_seconds(target, batch)
+                for seed in seeds:
+                    plain_rows = None
+                    for method in methods:
+                        out, seconds = call(method, batch, temperature, seed, spec.max_new_tokens)
+                        new = _new_tokens(out, batch["input_ids"].shape[1], eos_ids)
+                        total = totals[method.name]
+                        total["tokens"] += sum(max(len(row) - 1, 0) for row in new)
+                        total["seconds"] += max(seconds - prefill, 1e-9)
+                        total["rows"] += len(new)
+                        if method.kind == "plain":
+                            plain_rows = new
+                        else:
+                            total["stats"].append(bench.drafters[method.name].last_stats)
+                            if temperature == 0 and plain_rows is not None:
+                                total["differing"] += sum(a != b for a, b in zip(new, plain_rows))
+            plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"] if "plain" in totals else None
+            for method in methods:
+                total = totals[method.name]
+                rate = total["tokens"] / total["seconds"]
+                stats = [s for s in total["stats"] if s is not None]
+                rows.append({
+                    "dataset": dataset, "temperature": temperature_label(temperature), "method": method.name,
+                    "batch_size": batch_size, "batches": len(dataset_batches), "rows": total["rows"],
+                    "decode_tokens": total["tokens"], "decode_seconds": total["seconds"],
+                    "tokens_per_second": rate, "speedup": rate / plain_rate if plain_rate else None,
+                    "tau": GenerationStats.pooled(stats).mean_acceptance_length if stats else None,
+                    "rows_differing_from_plain": total["differing"] if temperature == 0 else None,
+                })
+    return {"settings": {**_settings(plan), "batch_size": batch_size, "skipped_methods": skipped,
+                         "timing": "decode only: each batch's generate wall time minus one timed batched prefill "
+                                   "forward; tokens after each row's first"},
+            "environment": {"device": str(device), "torch_threads": torch.get_num_threads(),
+                            "torch": torch.__version__},
+            "rows": rows}
+
+
+def batched_markdown(report: dict[str, Any]) -> str:
+    """The report as one Markdown table."""
+    settings = report["settings"]
+    lines = [f"## hf-retrace bench, batch size {settings['batch_size']}", "",
+             f"Target `{settings['target']}`, {settings['dtype']}; max_new_tokens {settings['max_new_tokens']}; "
+             f"{settings['timing']}.", "",
+             "| dataset | T | method | rows | tok/s | speed-up | τ | rows ≠ plain (T=0) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in report["rows"]:
+        speedup = "–" if row["speedup"] is None else f"{row['speedup']:.2f}×"
+        tau = "–" if row["tau"] is None else f"{row['tau']:.2f}"
+        differing = "–" if row["rows_differing_from_plain"] is None else str(row["rows_differing_from_plain"])
+        lines.append(f"| {row['dataset']} | {row['temperature']} | {row['method']} | {row['rows']} | "
+                     f"{row['tokens_per_second']:.1f} | {speedup} | {tau} | {differing} |")
+    return "\n".join(lines) + "\n"

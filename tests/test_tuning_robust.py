@@ -1,0 +1,448 @@
+"""A tuner that a busy moment cannot fool (issue 41) and policies that arrive checked (issues 41 and 42): noisy
+timings leave the decision where clean ones put it, timings that stay noisy keep the shipped policy uncached, plain
+decoding is cached only when two measurements agree, the first real calls' figure is checked against the prediction,
+every way a policy arrives is checked field by field, an explicit view drafts, and a cache that cannot be written is
+never reported as written."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers import tiny_drafter, tiny_target
+from test_tuning import FLAT, ROWS, _records
+
+import hf_retrace
+from hf_retrace.generation.policy import FIELD_RULES, RoundPolicy, resolve_policy
+from hf_retrace.tuning import auto
+from hf_retrace.tuning import costs as costs_module
+from hf_retrace.tuning.costs import MachineCosts, fit_verify_costs, measure_costs, sample_verify_ratios
+from hf_retrace.tuning.records import AnswerRecord, RoundRecords
+from hf_retrace.tuning.search import choose_policies
+from hf_retrace.tuning.verify import verify_arms, verify_tuning
+
+KS = (1, 2, 3, 4, 8, 16)
+STEP = 0.04  # seconds of the fake one-token forward
+
+
+def _probe(noise):
+    """A fake ``probe(k)``: a row-proportional verify (1 + 0.4 k steps) times ``noise(call index, k)``."""
+    calls = [0]
+
+    def probe(k: int) -> float:
+        calls[0] += 1
+        return STEP * (1 + 0.4 * k) * noise(calls[0] - 1, k)
+
+    return probe
+
+
+def _one_outlier():
+    seen = []
+    return lambda i, k: 3.0 if k == 2 and not seen and not seen.append(i) else 1.0  # the issue's blip, once
+
+
+NOISE = {
+    "one outlier at one k": _one_outlier,
+    "a sustained slowdown": lambda: (lambda i, k: 1.0 if i < 9 else 1.8),
+    "alternating busy and idle": lambda: (lambda i, k: 1.6 if (i // 3) % 2 else 1.0),
+    "a slower busy rhythm": lambda: (lambda i, k: 1.5 if (i // 7) % 2 else 1.0),
+}
+
+
+def _decided(noise) -> tuple[MachineCosts, RoundPolicy]:
+    ratios, steps = sample_verify_ratios(_probe(noise), KS, repeats=5, budget_seconds=1e9)
+    fit = fit_verify_costs(ratios, 32)
+    costs = MachineCosts(tuple(fit.costs), 0.15, 0.3, STEP, spread=fit.spread, settled=fit.settled)
+    return costs, choose_policies(_records(0.85, loops=False), costs, RoundPolicy())["greedy"]
+
+
+@pytest.mark.parametrize("name", list(NOISE))
+def test_noisy_timings_leave_the_decision_where_clean_timings_put_it(name):
+    clean_costs, clean = _decided(lambda i, k: 1.0)
+    costs, noisy = _decided(NOISE[name]())
+    assert clean.speculate and costs.settled
+    assert noisy.describe() == clean.describe()  # the same cut, lookup budget and replayed figure
+    assert costs.verify_costs == pytest.approx(clean_costs.verify_costs, rel=0.02)
+
+
+def test_one_high_k_is_pooled_with_its_neighbours_not_carried_to_every_longer_k():
+    clean = {k: [1 + 0.4 * k] * 3 for k in KS}
+    blip = {**clean, 2: [4.2] * 3}  # the issue's busy moment: k = 2 at 4.2 steps after 1.4 for k = 1
+    fit, reference = fit_verify_costs(blip, 16), fit_verify_costs(clean, 16)
+    assert all(b >= a for a, b in zip(fit.costs, fit.costs[1:]))  # still monotone
+    assert fit.costs[8] == pytest.approx(reference.costs[8]) and fit.costs[16] == pytest.approx(reference.costs[16])
+    running_max = max(4.2, 1 + 0.4 * 4)
+    assert fit.costs[4] < running_max  # the old rule set k = 3, 4 to the blip itself
+    assert fit.implausible == (2,) and not fit.settled  # 4.2 steps for 3 tokens: more than 3 separate steps + slack
+
+
+def test_timings_whose_repeats_disagree_are_not_settled():
+    spread = {k: [1 + 0.4 * k, 2 * (1 + 0.4 * k), 1 + 0.4 * k, 2 * (1 + 0.4 * k)] for k in KS}
+    assert fit_verify_costs(spread, 16).spread > costs_module.SPREAD_LIMIT
+    assert not fit_verify_costs(spread, 16).settled
+
+
+def test_measure_costs_times_again_and_then_says_unsettled(monkeypatch):
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)
+    load = random.Random(0)  # a load that changes at every forward, by up to 2.5x: no two repeats agree
+    fake_probes = []
+    monkeypatch.setattr(costs_module, "_verify_probe",
+                        lambda *a: fake_probes.append(1) or _probe(lambda i, k: load.uniform(1.0, 2.5)))
+    monkeypatch.setattr(costs_module, "STEADY_TRIES", 1)
+    attempts = []
+    fit = costs_module.fit_verify_costs
+    monkeypatch.setattr(costs_module, "fit_verify_costs", lambda *a: attempts.append(1) or fit(*a))
+    costs = measure_costs(target, drafter, max_drafts=16, context_length=8, repeats=4)
+    assert not costs.settled and costs.spread > costs_module.SPREAD_LIMIT
+    assert len(attempts) == costs_module.ATTEMPTS and fake_probes == [1]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_RETRACE_POLICY", "auto")
+    auto._MEMO.clear()
+    auto._REALIZED.clear()
+    yield tmp_path
+    auto._MEMO.clear()
+    auto._REALIZED.clear()
+
+
+@pytest.fixture
+def pair():
+    target = tiny_target(dtype=torch.float32, logit_scale=4.0, seed=4)
+    return target, tiny_drafter(target, block_size=6, dtype=torch.float32, seed=5)
+
+
+def _measured(*sequence: MachineCosts):
+    calls = []
+    queue = list(sequence)
+
+    def measure(target, drafter, max_drafts=16):
+        calls.append(1)
+        return queue.pop(0)
+
+    return measure, calls
+
+
+def test_timings_that_stay_noisy_keep_the_shipped_policy_for_this_process_and_cache_nothing(cache_dir, monkeypatch,
+                                                                                            pair, capsys):
+    target, drafter = pair
+    noisy = dataclasses.replace(ROWS, spread=0.6, settled=False)
+    measure, _ = _measured(noisy)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.05, loops=False))  # clean timings: plain
+    policy = auto.auto_policy(drafter, target, target.generation_config)
+    assert policy.speculate and policy.source == "shipped"  # never plain on noisy timings
+    assert policy.verify_costs == pytest.approx(ROWS.verify_costs)  # the guard is armed
+    assert not list(cache_dir.glob("policies/*.json"))
+    err = capsys.readouterr().err
+    assert "not cached: this machine's timings stayed too noisy" in err and "cached in" not in err
+
+
+def test_plain_decoding_is_cached_only_when_two_measurements_agree(cache_dir, monkeypatch, pair):
+    target, drafter = pair
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.35, loops=False))  # plain on ROWS, drafts on FLAT
+    measure, calls = _measured(ROWS, ROWS)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    result, path = auto.tune_and_cache(target, drafter)
+    assert len(calls) == 2 and not result["policies"]["greedy"]["speculate"]
+    assert "two measurements agree" in result["policies"]["greedy"]["reason"]
+    assert result["cached"] and json.loads(path.read_text())["plain_measurements"] == 2
+    # the second measurement finds drafting that pays: plain was not proved, the call drafts
+    measure, calls = _measured(ROWS, FLAT)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    result, _ = auto.tune_and_cache(target, drafter)
+    assert len(calls) == 2 and result["policies"]["greedy"]["speculate"]
+    # a single measurement's plain decision is never cached: a second that cannot decide leaves nothing on disk
+    path.unlink()
+    measure, calls = _measured(ROWS, dataclasses.replace(ROWS, settled=False, spread=0.5))
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    result, _ = auto.tune_and_cache(target, drafter)
+    assert not result["cached"] and not path.exists() and result["policies"]["greedy"]["speculate"]
+
+
+def test_a_cached_plain_choice_from_one_measurement_is_measured_again(cache_dir, monkeypatch, pair, capsys):
+    target, drafter = pair
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.35, loops=False))
+    measure, calls = _measured(ROWS, ROWS, ROWS, ROWS)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    auto.tuned_policies(target, drafter)
+    (path,) = cache_dir.glob("policies/*.json")
+    entry = json.loads(path.read_text())
+    entry["plain_measurements"] = 1  # as a tuner that decided on one measurement wrote it
+    path.write_text(json.dumps(entry))
+    auto._MEMO.clear()
+    auto.tuned_policies(target, drafter)
+    assert len(calls) == 4 and "rests on one measurement" in capsys.readouterr().err
+
+
+def _fake_tune(calls: list, expected: float = 1.6):
+    def tune(target, drafter, records=None):
+        calls.append(1)
+        policy = RoundPolicy(confidence_cut=0.4, source="tuned", expected_speedup=expected,
+                             verify_costs=ROWS.verify_costs, draft_cost=0.15)
+        return {"policies": {"greedy": policy.to_dict(), "sampled": policy.to_dict()}, "costs": ROWS.to_dict(),
+                "tables": {}, "seconds": 0.0}
+    return tune
+
+
+def _stats(tokens_per_cost: float, rounds: int = 100) -> SimpleNamespace:
+    """A call whose rounds commit 3 tokens each at a wall time giving ``tokens_per_cost`` against ROWS' step."""
+    seconds = rounds * 3 / tokens_per_cost * ROWS.step_seconds
+    return SimpleNamespace(acceptance_lengths=[3] * rounds, guard_plain_steps=0, draft_seconds=seconds / 4,
+                           verify_seconds=3 * seconds / 4)
+
+
+@pytest.mark.parametrize("realized, measured_again", [(1.55, False), (1.2, True), (2.1, True)])
+def test_a_cache_entry_whose_realized_figure_disagrees_is_measured_again(cache_dir, monkeypatch, pair, capsys,
+                                                                         realized, measured_again):
+    target, drafter = pair
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _fake_tune(calls))
+    policy = auto.auto_policy(drafter, target, target.generation_config)
+    auto.note_realized(policy.replace(confidence_cut=0.5), [_stats(1.0)])  # a view's call: not the cached choice
+    auto.note_realized(policy, [_stats(realized)])  # the first real calls
+    (path,) = cache_dir.glob("policies/*.json")
+    entry = json.loads(path.read_text())
+    assert entry["realized"]["greedy"]["tokens_per_cost"] == pytest.approx(realized, rel=1e-3)
+    assert entry["realized"]["greedy"]["predicted"] == 1.6
+    auto._MEMO.clear()  # the next process start
+    capsys.readouterr()
+    auto.auto_policy(drafter, target, target.generation_config)
+    assert len(calls) == 1 + measured_again
+    err = capsys.readouterr().err
+    assert ("realized" in err and "measuring again" in err) == measured_again
+    if measured_again:  # measured again once; a second disagreement is kept (no re-tuning at every start)
+        assert json.loads(path.read_text())["revisits"] == 1
+        auto.note_realized(auto.auto_policy(drafter, target, target.generation_config), [_stats(realized)])
+        auto._MEMO.clear()
+        auto._REALIZED.clear()
+        auto.auto_policy(drafter, target, target.generation_config)
+        assert len(calls) == 2
+
+
+def test_the_realized_figure_is_tokens_over_the_rounds_wall_time_in_one_token_steps():
+    stats = SimpleNamespace(acceptance_lengths=[3, 1, 2], guard_plain_steps=4, draft_seconds=0.02, verify_seconds=0.1)
+    tokens, cost = auto.realized_figure(stats, step_seconds=0.04)
+    assert tokens == 3 + 1 + 2 + 4 and cost == pytest.approx(0.12 / 0.04 + 4)
+
+
+# --- every way a policy arrives is checked field by field ------------------------------------------------------------
+def test_every_policy_field_has_one_rule():
+    fields = {f.name for f in dataclasses.fields(RoundPolicy)} - {"extra"}
+    assert set(FIELD_RULES) == fields
+
+
+@pytest.mark.parametrize("field, value", [("lookup_cap", 1.5), ("draft_cost", "0.1"), ("lookup_start", 2.0),
+                                          ("confidence_cut", "0.3"), ("verify_costs", [1.0, "x"])])
+def test_a_cache_entry_with_a_field_of_the_wrong_type_is_measured_again(cache_dir, monkeypatch, pair, capsys, field,
+                                                                        value):
+    target, drafter = pair
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _fake_tune(calls))
+    auto.auto_policy(drafter, target, target.generation_config)
+    (path,) = cache_dir.glob("policies/*.json")
+    entry = json.loads(path.read_text())
+    entry_before = json.loads(json.dumps(entry["policies"]))
+    entry["policies"]["greedy"][field] = value
+    path.write_text(json.dumps(entry))
+    auto._MEMO.clear()
+    prompt = torch.tensor([[7, 8, 9, 10]])
+    out = target.generate(prompt, assistant_model=drafter, max_new_tokens=6, do_sample=False)  # never fatal
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=6, do_sample=False))
+    assert calls == [1, 1] and field in capsys.readouterr().err
+    assert json.loads(path.read_text())["policies"] == entry_before  # rewritten whole
+
+
+def _forwards(target, monkeypatch) -> list:
+    seen: list = []
+    original = type(target).forward
+    monkeypatch.setattr(type(target), "forward", lambda self, *a, **k: seen.append(1) or original(self, *a, **k))
+    return seen
+
+
+@pytest.mark.parametrize("content, words", [
+    ({"lookup_start": 2.0}, ["lookup_start", "whole number", "2.0"]),
+    ({"confidence_cut": "0.3"}, ["confidence_cut", "[0, 1)", "'0.3'"]),
+    ("{not json", ["not JSON"]),
+    ({"policies": {"greedy": {}}}, ["policies", "sampled", "tune --json"]),
+    ([0.3, 4], ["JSON object", "list"]),
+])
+def test_a_bad_policy_file_is_refused_in_words_before_the_target_runs(cache_dir, monkeypatch, pair, tmp_path,
+                                                                      content, words):
+    target, drafter = pair
+    path = tmp_path / "policy.json"
+    path.write_text(content if isinstance(content, str) else json.dumps(content))
+    monkeypatch.setenv("HF_RETRACE_POLICY", str(path))
+    seen = _forwards(target, monkeypatch)
+    with pytest.raises(ValueError) as error:
+        target.generate(torch.tensor([[7, 8, 9]]), assistant_model=drafter, max_new_tokens=4)
+    assert type(error.value) is ValueError and not seen  # our words, not a raw JSONDecodeError / KeyError
+    assert str(path) in str(error.value) and all(word in str(error.value) for word in words)
+
+
+@pytest.mark.parametrize("view, words", [
+    (lambda d: d.with_policy("fast"), ["with_policy", "RoundPolicy", "str"]),
+    (lambda d: d.with_policy({"confidence_cut": 0.3}), ["with_policy", "RoundPolicy.from_dict", "dict"]),
+    (lambda d: d.with_policy(lookup_cap=1.5), ["with_policy", "lookup_cap", "whole number", "1.5"]),
+    (lambda d: d.with_policy(lookup_start=2.0), ["lookup_start", "2.0"]),
+    (lambda d: d.with_policy(confidence_cut="0.3"), ["confidence_cut", "'0.3'"]),
+    (lambda d: d.with_policy(warp=3), ["warp", "not a round-policy field"]),
+    (lambda d: d.with_policy(lookup_min_ngram=9), ["lookup_min_ngram <= lookup_max_ngram", "with_policy("]),
+])
+def test_a_bad_view_is_refused_in_words_before_the_target_runs_and_before_tuning(cache_dir, monkeypatch, pair, view,
+                                                                                 words):
+    target, drafter = pair
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _fake_tune(calls))
+    seen = _forwards(target, monkeypatch)
+    with pytest.raises(ValueError) as error:
+        target.generate(torch.tensor([[7, 8, 9]]), assistant_model=view(drafter), max_new_tokens=4)
+    assert not seen and all(word in str(error.value) for word in words)
+    if "lookup_min_ngram" not in words[0]:  # a field that is wrong alone is refused before the first-use tuning
+        assert not calls
+
+
+# --- issue 42, item 4: an explicit view means drafting -------------------------------------------------------------
+def _plain_tune(calls: list):
+    def tune(target, drafter, records=None):
+        calls.append(1)
+        plain = ROWS.arm(RoundPolicy(confidence_cut=0.65)).replace(speculate=False, source="tuned",
+                                                                   reason="nothing pays")
+        return {"policies": {"greedy": plain.to_dict(), "sampled": plain.to_dict()}, "costs": ROWS.to_dict(),
+                "tables": {}, "seconds": 0.0, "measurements": [ROWS.to_dict()] * 2}
+    return tune
+
+
+def test_an_explicit_view_drafts_where_the_tuned_policy_is_plain(cache_dir, monkeypatch, pair):
+    target, drafter = pair
+    monkeypatch.setattr(auto, "tune", _plain_tune([]))
+    config = target.generation_config
+    assert not resolve_policy(drafter, target, config).speculate  # this machine's tuned choice: plain
+    view = drafter.with_policy(confidence_cut=0.2, lookup_cap=7)
+    policy = resolve_policy(view, target, config)
+    assert policy.speculate and (policy.confidence_cut, policy.lookup_cap, policy.source) == (0.2, 7, "explicit")
+    assert policy.verify_costs == pytest.approx(ROWS.verify_costs)  # the guard keeps the machine's costs
+    prompt = torch.tensor([[7, 8, 9, 10, 7, 8, 9, 10]])
+    out = target.generate(prompt, assistant_model=view, max_new_tokens=12, do_sample=False)
+    assert view.last_stats.rounds > 0 and "confidence cut 0.2" in view.last_stats.policy
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=12, do_sample=False))
+    # speculate=False is how a view asks for plain; it wins over drafting knobs in the same view
+    assert not resolve_policy(drafter.with_policy(speculate=False), target, config).speculate
+    assert not resolve_policy(drafter.with_policy(speculate=False, lookup_cap=7), target, config).speculate
+    assert not resolve_policy(drafter.with_policy(retrace=False), target, config).speculate  # switching off: no ask
+    monkeypatch.setenv("HF_RETRACE_POLICY", "off")  # the view comes first in the precedence, over the variable too
+    assert resolve_policy(drafter.with_policy(lookup_cap=7), target, config).speculate
+
+
+def test_a_view_over_a_drafting_policy_changes_only_what_it_names(cache_dir, monkeypatch, pair):
+    target, drafter = pair
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _fake_tune(calls))
+    policy = resolve_policy(drafter.with_policy(lookup_cap=5), target, target.generation_config)
+    assert (policy.speculate, policy.confidence_cut, policy.lookup_cap, policy.source) == (True, 0.4, 5, "tuned")
+    assert not resolve_policy(drafter.with_policy(speculate=False), target, target.generation_config).speculate
+
+
+# --- issue 42, item 8: no false success -------------------------------------------------------------------------
+def test_a_cache_that_cannot_be_written_is_not_reported_as_written(tmp_path, monkeypatch, pair, capsys):
+    target, drafter = pair
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("a file where the cache folder would go")
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(blocked))
+    monkeypatch.setenv("HF_RETRACE_POLICY", "auto")
+    monkeypatch.setattr(auto, "tune", _fake_tune([]))
+    auto._MEMO.clear()
+    try:
+        policy = auto.auto_policy(drafter, target, target.generation_config)
+        result, path = auto.tune_and_cache(target, drafter)
+    finally:
+        auto._MEMO.clear()
+    assert policy.confidence_cut == 0.4  # used for this process
+    err = capsys.readouterr().err
+    assert "not cached: could not write the cache" in err and "cached in" not in err
+    assert not result["cached"] and auto.cache_line(result, path).startswith("not cached: could not write")
+    assert "every later generate" not in auto.cache_line(result, path)
+
+
+# --- tune --verify --------------------------------------------------------------------------------------------------
+def test_verify_runs_plain_the_choice_and_the_runner_up_on_the_recorded_prompts(pair):
+    target, drafter = pair
+    target.generation_config.eos_token_id = None
+    records = _records(0.85, loops=False)
+    choice = choose_policies(records, ROWS, RoundPolicy())
+    result = {"policies": {n: choice[n].to_dict() for n in ("greedy", "sampled")}, "costs": ROWS.to_dict(),
+              "tables": choice["tables"]}
+    arms = verify_arms(result, "greedy", RoundPolicy())
+    assert [label for label, _ in arms] == ["plain", "choice", "runner-up"]
+    assert arms[1][1].describe() == choice["greedy"].describe()
+    assert arms[2][1].expected_speedup <= choice["greedy"].expected_speedup
+    prompts = RoundRecords(block_size=6, greedy=[AnswerRecord([7, 8, 9, 10, 11], 4, [], [])])
+    rows = verify_tuning(target, drafter, result, prompts, prompts=1, max_new_tokens=8)
+    assert [row["arm"] for row in rows] == ["plain", "choice", "runner-up"]
+    assert rows[0]["realized"] == 1.0 and all(row["realized"] > 0 for row in rows)
+    assert rows[1]["predicted"] == choice["greedy"].expected_speedup and rows[1]["tau"] >= 1
+
+
+def test_verify_over_a_plain_choice_runs_the_best_drafting_rows():
+    records = _records(0.35, loops=False)
+    choice = choose_policies(records, ROWS, RoundPolicy())
+    assert not choice["greedy"].speculate
+    result = {"policies": {n: choice[n].to_dict() for n in ("greedy", "sampled")}, "costs": ROWS.to_dict(),
+              "tables": choice["tables"]}
+    labels = [label for label, _ in verify_arms(result, "greedy", RoundPolicy())]
+    assert labels == ["plain", "best drafting", "runner-up"]
+
+
+def test_every_drafted_call_reports_its_stats_to_the_observer_and_a_plain_call_does_not(monkeypatch, pair):
+    from hf_retrace.generation import policy as policy_module
+
+    assert policy_module._OBSERVER[0] is auto.note_realized and hf_retrace.RoundPolicy is RoundPolicy  # by import
+    target, drafter = pair
+    seen: list = []
+    monkeypatch.setattr(policy_module, "_OBSERVER", [lambda policy, stats: seen.append((policy, stats))])
+    view = drafter.with_policy(RoundPolicy(confidence_cut=0.3))
+    target.generate(torch.tensor([[7, 8, 9, 10]]), assistant_model=view, max_new_tokens=8, do_sample=False)
+    ((policy, (stats,)),) = seen
+    assert policy.confidence_cut == 0.3 and stats is view.last_stats and stats.rounds > 0
+    target.generate(torch.tensor([[7, 8, 9, 10]]), assistant_model=drafter.with_policy(RoundPolicy(speculate=False)),
+                    max_new_tokens=8)
+    assert len(seen) == 1
+
+
+def test_the_tune_command_says_where_it_cached_or_why_not_and_verifies(tmp_path, monkeypatch, capsys):
+    from hf_retrace import cli
+    from hf_retrace.training.calibrate import record_round_records
+
+    target = tiny_target(dtype=torch.float32, logit_scale=4.0, seed=4)
+    drafter = tiny_drafter(target, block_size=6, dtype=torch.float32, seed=5)
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    record_round_records(target, drafter, [[5, 9, 14, 2, 7, 7, 30], [11, 12, 13, 40, 2]], max_new_tokens=12,
+                         progress=False).save(tmp_path / "drafter")
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_RETRACE_POLICY", "auto")
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: FLAT)  # no timing in a unit test
+    argv = ["tune", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--dtype", "fp32"]
+    auto._MEMO.clear()
+    try:
+        assert cli.main([*argv, "--verify"]) == 0
+        out = capsys.readouterr().out
+        assert "cached in" in out and "every later generate" in out
+        assert "predicted against realized" in out and "| T=0 | plain |" in out and out.count("| T=0 |") == 3
+
+        def cannot_write(path, data):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(auto, "write_atomically", cannot_write)
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert "not cached: could not write the cache" in out and "No space left" in out and "cached in" not in out
+    finally:
+        auto._MEMO.clear()
