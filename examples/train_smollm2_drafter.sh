@@ -25,6 +25,7 @@
 #                     INIT=/tmp/hf_retrace/default_drafter)
 #   breadth-scratch   the same shape from scratch, the same steps (RUN=$RUNS/breadth-scratch)
 #   breadth-calibrate DRAFTER=folder: its rounds recorded on the 48 held-out prompts of every kind (--write)
+#   shape-continue    LAYERS BLOCK: issue 36 A/B winner trained on (after breadth-data), RUN=$RUNS/shape-lL-bB-c2
 #   breadth-heldout   the target's own answers to those 48 prompts, tokenized into $RUNS/tok-heldout: ReTrace's bound
 #                     on them (examples/kept_suffix_signal.py --data $RUNS/tok-heldout --start 0 --sequences 48)
 # Both evaluate tau on the round-record prompts (every kind) as they train. Run them one after the other with both
@@ -158,6 +159,21 @@ shape_run() {  # shape_run LAYERS BLOCK GAMMA FLAGS...: one arm of the shape A/B
       --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-300}" --eval-limit 8 \
       --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
 }
+shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner trained on to the end of its curve
+  # (RUN=$RUNS/shape-lL-bB-c2): initialized from its shape run, on breadth-data's answers (the shared 5,014 and
+  # make_drafter_data.sh's), 2 more epochs, a lower peak rate whose cosine ends at 0, both cores; re-run after a kill
+  local layers=$1 block=$2 precision=(--target-dtype float32)
+  shift 2
+  if python -c "import sys; from hf_retrace.machine import has_bf16_units; sys.exit(not has_bf16_units())"; then
+    precision=(--target-dtype bfloat16 --bf16)
+  fi
+  hf-retrace train --stage backbone --target default --data "$BTOK" --features-dir "$BFEATS" \
+      --init-from "$RUNS/shape-l$layers-b$block" --out "$RUNS/shape-l$layers-b$block-c2" --resume \
+      --num-anchors 48 --gamma "${GAMMA:-4}" --batch-size 2 --grad-accum 2 --lr "${LR:-3e-4}" --warmup-ratio 0.02 --max-grad-norm 1.0 \
+      --epochs "${EPOCHS:-2}" --seed 1 --num-threads "${THREADS:-2}" "${precision[@]}" --save-dtype bfloat16 \
+      --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-500}" --eval-limit 8 \
+      --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
+}
 case "$STEP" in
   breadth-data) breadth_data "$@" ;;
   breadth-heldout) breadth_heldout "$@" ;;
@@ -170,6 +186,7 @@ case "$STEP" in
       --json "$RUNS/calibration-breadth.json" --write "$@" ;;
   shared-data) shared_data "$@" ;;
   shape) shape_run "$@" ;;
+  shape-continue) shape_continue "$@" ;;
   tokenize) tokenize ;;
   features) features "$@" ;;
   backbone) backbone "$@" ;;

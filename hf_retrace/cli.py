@@ -66,7 +66,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     target, _, drafter = load_pair(args.target, args.drafter, args.dtype, device=args.device,
                                    device_map=args.device_map)
-    result, path = tune_and_cache(target, drafter)
+    result, path = tune_and_cache(target, drafter, rows=args.batch_size)
     print_tuning(result)
     print(f"[hf-retrace] {cache_line(result, path)}")
     if args.verify:
@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "HF_RETRACE_POLICY=FILE uses it")
     tune.add_argument("--verify", action="store_true", help="then run a short real A/B (plain, the choice, the "
                       "runner-up) on the drafter's recorded prompts and print predicted against realized speed-ups")
+    tune.add_argument("--batch-size", type=int, default=1, help="tune for batched generate calls of this many rows "
+                      "(each batch size is tuned and cached apart; a batched call does it at first use otherwise)")
     tune.set_defaults(func=cmd_tune)
 
     exp = sub.add_parser("export", help="write a drafter's DFlash backbone in the z-lab layout (vLLM, SGLang, dflash)")
@@ -165,6 +167,11 @@ def validate_generate_args(args: argparse.Namespace) -> None:
 def validate_tune_args(args: argparse.Namespace) -> None:
     from .training.cli.checks import check_writable
 
+    if args.batch_size < 1:
+        raise SystemExit(f"hf-retrace tune: error: --batch-size {args.batch_size}: give a batch size of 1 or more")
+    if args.batch_size > 1 and args.verify:
+        raise SystemExit("hf-retrace tune: error: --verify runs batch-1 calls on the recorded prompts; drop it with "
+                         "--batch-size (hf-retrace bench --batch-size N measures a batch's realized speed-up)")
     if args.json:  # written after the tuning: a path it cannot write would cost the whole measurement
         check_writable(args.json, "--json", "the tuning result")
     _check_environment(args)

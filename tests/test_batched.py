@@ -474,7 +474,10 @@ def test_bench_batch_size_reports_throughput_against_plain_batched(tmp_path, cap
         assert row["tokens_per_second"] > 0 and row["speedup"] > 0
         assert (row["tau"] is None) == (method == "plain")
     assert rows[("dflash", "T=0")]["rows_differing_from_plain"] == 0, "fp32 rows must equal plain batched generate"
-    assert "| gsm8k | T=0 | dflash | 3 |" in capsys.readouterr().out
+    assert rows[("dflash", "T=0")]["near_ties"] == 0 and rows[("plain", "T=0")]["policy"] is None
+    assert "DFlash drafter" in rows[("dflash", "T=0")]["policy"]  # the policy the batch ran, tuned per batch size
+    out = capsys.readouterr().out
+    assert "| gsm8k | T=0 | dflash | 3 |" in out and "Round policies (each batch size is tuned apart)" in out
 
 
 def test_bench_batch_size_refuses_bad_values_before_any_model_loads(capsys):
@@ -517,3 +520,16 @@ def test_one_drafter_forward_drafts_every_running_row(count_forwards):
     assert out.tolist() == target.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=PAD).tolist()
     # one per round (not one per row), but none in a last round where no row has room left to draft
     assert verifies - 1 <= drafts <= verifies and drafts > 0, (drafts, verifies)
+
+
+def test_the_batched_report_classifies_differing_rows_and_names_each_policy():
+    from hf_retrace.bench.batched_throughput import batched_markdown
+
+    settings = {"batch_size": 4, "target": "t", "dtype": "bf16", "max_new_tokens": 8, "timing": "decode only"}
+    row = dict(dataset="gsm8k", temperature="T=0", rows=4, tokens_per_second=10.0, tau=None, speedup=1.0,
+               rows_differing_from_plain=0, near_ties=0, policy=None)
+    drafted = dict(row, method="default", tau=2.5, speedup=1.4, rows_differing_from_plain=3, near_ties=2,
+                   policy="DFlash drafter, confidence cut 0.3 (policy: tuned)")
+    text = batched_markdown({"settings": settings, "rows": [dict(row, method="plain"), drafted]})
+    assert "| gsm8k | T=0 | default | 4 | 10.0 | 1.40× | 2.50 | 3 (2 near-tie, 1 beyond 2 ulps) |" in text
+    assert "- default, T=0: DFlash drafter, confidence cut 0.3 (policy: tuned)" in text

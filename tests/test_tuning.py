@@ -141,12 +141,14 @@ def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_RETRACE_POLICY", "auto")
     auto._MEMO.clear()
+    auto._RETRY.clear()
     yield tmp_path
     auto._MEMO.clear()
+    auto._RETRY.clear()
 
 
 def _fake_tune(calls: list):
-    def tune(target, drafter, records=None):
+    def tune(target, drafter, records=None, rows=1):
         calls.append(1)
         policy = RoundPolicy(confidence_cut=0.4, lookup=True, lookup_cap=7, source="tuned")
         return {"policies": {"greedy": policy.to_dict(), "sampled": policy.replace(lookup=False).to_dict()},

@@ -23,7 +23,8 @@ from hf_retrace.tuning import costs as costs_module
 from hf_retrace.tuning.costs import MachineCosts, fit_verify_costs, measure_costs, sample_verify_ratios
 from hf_retrace.tuning.records import AnswerRecord, RoundRecords
 from hf_retrace.tuning.search import choose_policies
-from hf_retrace.tuning.verify import verify_arms, verify_tuning
+from hf_retrace.tuning import verify as verify_module
+from hf_retrace.tuning.verify import batch_check, verify_arms, verify_tuning
 
 KS = (1, 2, 3, 4, 8, 16)
 STEP = 0.04  # seconds of the fake one-token forward
@@ -102,15 +103,42 @@ def test_measure_costs_times_again_and_then_says_unsettled(monkeypatch):
     assert len(attempts) == costs_module.ATTEMPTS and fake_probes == [1]
 
 
+def test_a_measurement_that_overruns_its_seconds_stops_and_says_unsettled(monkeypatch):
+    """A core taken by another process made every forward 26x slower (measured): the measurement stops at its
+    deadline, with what it has, and decides nothing, where it used to take 150 s."""
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)
+    clock = {"now": 0.0}
+    monkeypatch.setattr(costs_module.time, "perf_counter", lambda: clock["now"])
+
+    def slow(i, k):  # every forward takes a simulated second, steady (no spread)
+        clock["now"] += 1.0
+        return 1.0 + 0.1 * k
+
+    monkeypatch.setattr(costs_module, "_verify_probe", lambda *a: _probe(slow))
+    costs = measure_costs(target, drafter, max_drafts=16, context_length=8, repeats=4, seconds=10.0)
+    assert not costs.settled
+    assert clock["now"] < 10.0 + 2 * 16  # stopped at the deadline (plus the drafter's few rounds), not after every pass
+    steady = measure_costs(target, drafter, max_drafts=16, context_length=8, repeats=4, seconds=1e6)
+    assert steady.settled  # the same timings with time to finish decide
+
+
+def test_sampling_past_its_deadline_starts_no_sample():
+    ratios, steps = sample_verify_ratios(lambda k: 1.0, [1, 2, 4], deadline=-1.0)
+    assert ratios == {1: [], 2: [], 4: []} and len(steps) == 1
+
+
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_RETRACE_POLICY", "auto")
     auto._MEMO.clear()
     auto._REALIZED.clear()
+    auto._RETRY.clear()
     yield tmp_path
     auto._MEMO.clear()
     auto._REALIZED.clear()
+    auto._RETRY.clear()
 
 
 @pytest.fixture
@@ -123,7 +151,7 @@ def _measured(*sequence: MachineCosts):
     calls = []
     queue = list(sequence)
 
-    def measure(target, drafter, max_drafts=16):
+    def measure(target, drafter, max_drafts=16, rows=1):
         calls.append(1)
         return queue.pop(0)
 
@@ -183,7 +211,7 @@ def test_a_cached_plain_choice_from_one_measurement_is_measured_again(cache_dir,
 
 
 def _fake_tune(calls: list, expected: float = 1.6):
-    def tune(target, drafter, records=None):
+    def tune(target, drafter, records=None, rows=1):
         calls.append(1)
         policy = RoundPolicy(confidence_cut=0.4, source="tuned", expected_speedup=expected,
                              verify_costs=ROWS.verify_costs, draft_cost=0.15)
@@ -311,7 +339,7 @@ def test_a_bad_view_is_refused_in_words_before_the_target_runs_and_before_tuning
 
 # --- issue 42, item 4: an explicit view means drafting -------------------------------------------------------------
 def _plain_tune(calls: list):
-    def tune(target, drafter, records=None):
+    def tune(target, drafter, records=None, rows=1):
         calls.append(1)
         plain = ROWS.arm(RoundPolicy(confidence_cut=0.65)).replace(speculate=False, source="tuned",
                                                                    reason="nothing pays")
@@ -446,3 +474,192 @@ def test_the_tune_command_says_where_it_cached_or_why_not_and_verifies(tmp_path,
         assert "not cached: could not write the cache" in out and "No space left" in out and "cached in" not in out
     finally:
         auto._MEMO.clear()
+
+
+# --- a batch is priced apart (issue 39, item 5) ---------------------------------------------------------------------
+
+
+def test_costs_timed_at_a_batch_size_are_in_batched_steps_and_in_the_accelerator_order(pair):
+    target, drafter = pair
+    costs = measure_costs(target, drafter, max_drafts=4, rows=3, repeats=3, seconds=60.0)
+    assert costs.rows == 3 and costs.drafter_first  # the batch loop drafts every row's block before rows decide
+    assert len(costs.verify_costs) == drafter.config.block_size and costs.verify_costs[0] == 1.0
+    assert costs.draft_cost(0.5) == costs.draft_cost_full  # a cut saves no drafter time in a batch
+    assert MachineCosts.from_dict(json.loads(json.dumps(costs.to_dict()))) == dataclasses.replace(
+        costs, verify_costs=tuple(round(c, 4) for c in costs.verify_costs), spread=round(costs.spread, 4))
+    assert measure_costs(target, drafter, max_drafts=4, repeats=3, seconds=60.0).rows == 1
+
+
+def test_each_batch_size_is_tuned_and_cached_apart_and_plain_where_a_batch_does_not_pay(cache_dir, monkeypatch, pair):
+    target, drafter = pair
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.35, loops=False))  # drafts on FLAT, plain on ROWS
+    asked = []
+
+    def measure(target, drafter, max_drafts=16, rows=1):
+        asked.append(rows)
+        return FLAT if rows == 1 else dataclasses.replace(ROWS, rows=rows, drafter_first=True)
+
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    config = target.generation_config
+    assert auto.auto_policy(drafter, target, config).speculate and asked == [1]
+    batch = auto.auto_policy(drafter, target, config, rows=4)
+    assert not batch.speculate and asked == [1, 4, 4]  # plain stands on two measurements, as at batch 1
+    assert "two measurements agree" in batch.reason
+    entries = [json.loads(p.read_text()) for p in cache_dir.glob("policies/*.json")]
+    assert sorted(e["key"].get("rows", 1) for e in entries) == [1, 4]
+    assert auto.auto_policy(drafter, target, config, rows=4) == batch and asked == [1, 4, 4]  # memoised
+    auto._MEMO.clear()
+    assert auto.auto_policy(drafter, target, config, rows=4) == batch and asked == [1, 4, 4]  # read from disk
+
+
+def test_a_batched_generate_asks_the_resolver_for_its_batch_size(monkeypatch, pair):
+    from hf_retrace.generation import policy as policy_module
+
+    target, drafter = pair
+    asked = []
+
+    def resolver(drafter, target, config, **context):
+        asked.append(context.get("rows", 1))
+        return RoundPolicy(speculate=False, source="test", reason="a test's resolver")
+
+    monkeypatch.setattr(policy_module, "_RESOLVER", [resolver])
+    ids = torch.tensor([[0, 5, 6, 7], [3, 4, 5, 6]])
+    mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
+                          do_sample=False, pad_token_id=0)
+    plain = target.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    target.generate(input_ids=ids[1:], attention_mask=mask[1:], assistant_model=drafter, max_new_tokens=4,
+                    do_sample=False, pad_token_id=0)
+    assert asked == [2, 1] and torch.equal(out, plain)
+
+
+def test_the_tune_command_tunes_a_batch_size_and_refuses_bad_ones_before_loading(tmp_path, monkeypatch, capsys):
+    from hf_retrace import cli
+
+    target = tiny_target(dtype=torch.float32, logit_scale=4.0, seed=4)
+    drafter = tiny_drafter(target, block_size=6, dtype=torch.float32, seed=5)
+    target.save_pretrained(tmp_path / "target")
+    drafter.save_pretrained(tmp_path / "drafter")
+    monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path / "cache"))
+    asked = []
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, rows=1, **k: asked.append(rows) or dataclasses.replace(
+        FLAT, rows=rows, drafter_first=rows > 1))
+    monkeypatch.setattr(verify_module, "batch_check", lambda *a, **k: [1.5, 1.5])  # no timing in a unit test
+    argv = ["tune", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--dtype", "fp32"]
+    for bad, why in ((["--batch-size", "0"], "give a batch size of 1 or more"),
+                     (["--batch-size", "4", "--verify"], "--verify runs batch-1 calls")):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*argv, *bad])
+        assert why in str(exc.value)
+    assert asked == []  # refused before any model loads or any timing
+    auto._MEMO.clear()
+    try:
+        assert cli.main([*argv, "--batch-size", "4"]) == 0
+        out = capsys.readouterr().out
+        assert asked == [4] and "of a batch of 4 rows" in out and "cached in" in out
+        (entry,) = (tmp_path / "cache" / "policies").glob("*.json")
+        assert json.loads(entry.read_text())["key"]["rows"] == 4
+    finally:
+        auto._MEMO.clear()
+
+
+def test_a_batch_round_costs_the_drafter_once_and_the_verify_of_its_widest_row():
+    from hf_retrace.tuning.replay import batch_round_cost
+
+    policy = RoundPolicy(verify_costs=tuple(1.0 + 0.1 * k for k in range(8)), draft_cost=0.2)
+    assert batch_round_cost(policy, [3, 3, 3], rows=8) == pytest.approx(0.2 + 1.3)  # every row as wide
+    half = [0, 7] * 5  # half the rounds plain steps, half full blocks
+    assert batch_round_cost(policy, half, rows=1) == pytest.approx(0.2 + (1.0 + 1.7) / 2)  # batch 1: the mean
+    assert batch_round_cost(policy, half, rows=2) == pytest.approx(0.2 + 0.25 * 1.0 + 0.75 * 1.7)
+    assert batch_round_cost(policy, half, rows=8) == pytest.approx(0.2 + 0.5**8 * 1.0 + (1 - 0.5**8) * 1.7)
+
+
+def test_a_wider_batch_is_priced_by_its_widest_rows_and_drafts_less_or_decodes_plainly():
+    records = _records(0.6, loops=True)
+    alone = choose_policies(records, FLAT, RoundPolicy(lookup=True))
+    steep = dataclasses.replace(FLAT, verify_costs=tuple(1.0 + 0.12 * k for k in range(33)), rows=8,
+                                drafter_first=True)
+    batch = choose_policies(records, steep, RoundPolicy(lookup=True))
+    figure = {name: max(row["tokens_per_cost"] for row in batch["tables"][name]) for name in batch["tables"]}
+    assert all(figure[name] < max(row["tokens_per_cost"] for row in alone["tables"][name]) for name in figure)
+    greedy = batch["greedy"]
+    # the batch never sends longer lookup copies than batch 1, each one widens every row's verify
+    assert not greedy.speculate or not greedy.lookup or greedy.lookup_cap <= alone["greedy"].lookup_cap
+
+
+@pytest.mark.parametrize("pairs, speculates, cached", [
+    ([0.9, 0.97], False, True),  # both pairs under 1 + margin: plain batched decoding, cached (two agree)
+    ([1.3, 1.25], True, True),  # both clear it: the replay's choice
+    ([0.9, 1.3], True, False),  # they disagree: the choice for this process only, measured again next time
+])
+def test_a_batchs_drafting_choice_is_kept_only_where_a_real_ab_agrees(cache_dir, monkeypatch, pair, pairs, speculates,
+                                                                      cached):
+    target, drafter = pair
+    records = _records(0.6, loops=False)
+    monkeypatch.setattr(auto, "records_of", lambda d: records)
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, rows=1, **k: dataclasses.replace(
+        FLAT, rows=rows, drafter_first=True))
+    checked = []
+    monkeypatch.setattr(verify_module, "batch_check", lambda t, d, policy, answers, rows, sampling: checked.append(
+        (rows, sampling["do_sample"])) or list(pairs))
+    result, path = auto.tune_and_cache(target, drafter, rows=4)
+    greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
+    assert (4, False) in checked and result["batch_check"]["greedy"] == pairs
+    assert greedy.speculate == speculates and result["cached"] == cached and path.exists() == cached
+    if not speculates:
+        assert "real A/B" in greedy.reason and json.loads(path.read_text())["plain_measurements"] == 2
+        auto._MEMO.clear()  # a later process reads the plain choice back without measuring again
+        assert auto._read_cache(path, auto.machine_key(target, drafter, 4))[0]["greedy"] == greedy
+    if not cached:
+        assert "did not agree with itself" in result["cache_note"]
+
+
+def test_the_batch_ab_times_both_arms_on_the_recorded_prompts(pair):
+    from hf_retrace.training.calibrate import record_round_records
+
+    target, drafter = pair
+    answers = record_round_records(target, drafter, [[5, 9, 14, 2, 7, 7, 30], [11, 12, 13, 40, 2]], max_new_tokens=8,
+                                   progress=False).greedy
+    policy = RoundPolicy(confidence_cut=None, lookup=False)
+    ratios = batch_check(target, drafter, policy, answers[:1], rows=3, max_new_tokens=6, pairs=3)
+    assert len(ratios) == 3 and all(r > 0 for r in ratios)
+
+
+def test_an_unsettled_tuning_is_tried_again_in_the_same_process_after_a_while(cache_dir, monkeypatch, pair, capsys):
+    target, drafter = pair
+    busy = dataclasses.replace(ROWS, spread=0.0, settled=False, step_seconds=1.0)  # ran out of time: a busy machine
+    measure, calls = _measured(busy, busy, FLAT)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.6, loops=True))
+    clock = [1000.0]
+    monkeypatch.setattr(auto.time, "monotonic", lambda: clock[0])
+    config = target.generation_config
+    assert auto.auto_policy(drafter, target, config).source == "shipped" and len(calls) == 1
+    err = capsys.readouterr().err
+    assert "did not finish within its 15 s: a busy machine, a one-token step took 1000 ms" in err
+    assert "measured again in this process after 60 s" in err
+    clock[0] += 30  # too soon: the same shipped policy, nothing measured
+    assert auto.auto_policy(drafter, target, config).source == "shipped" and len(calls) == 1
+    clock[0] += 31  # the busy moment is still there: measured again, still shipped
+    assert auto.auto_policy(drafter, target, config).source == "shipped" and len(calls) == 2
+    assert "again (the last timings were too noisy)" in capsys.readouterr().err
+    clock[0] += 61  # it passed: the tuned choice, cached
+    assert auto.auto_policy(drafter, target, config).source == "tuned" and len(calls) == 3
+    assert list(cache_dir.glob("policies/*.json"))
+    clock[0] += 1000  # settled: never measured again in this process
+    auto.auto_policy(drafter, target, config)
+    assert len(calls) == 3
+
+
+def test_retries_in_a_process_are_bounded(cache_dir, monkeypatch, pair):
+    target, drafter = pair
+    busy = dataclasses.replace(ROWS, spread=0.5, settled=False)
+    measure, calls = _measured(*[busy] * 10)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.6, loops=True))
+    clock = [0.0]
+    monkeypatch.setattr(auto.time, "monotonic", lambda: clock[0])
+    for _ in range(6):
+        auto.auto_policy(drafter, target, target.generation_config)
+        clock[0] += 100
+    assert len(calls) == 1 + auto.RETRIES

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 
 from ..chat import prompt_token_ids
+from ..divergence import find_divergence
+from ..generation.batched import left_padded
 from ..generation.placement import synchronize
 from ..sampling import sampling_kwargs
 from ..stats import GenerationStats
@@ -32,16 +34,6 @@ from .loop import Bench
 from .plan import BenchPlan, BenchSpec
 
 __all__ = ["batched_markdown", "run_batched_benchmark"]
-
-
-def _padded(rows: list[list[int]], pad: int, device: Any) -> dict[str, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for b, row in enumerate(rows):
-        input_ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        attention_mask[b, width - len(row) :] = 1
-    return dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
 
 
 def _new_tokens(sequences: torch.Tensor, prompt_width: int, eos_ids: set[int]) -> list[list[int]]:
@@ -62,25 +54,36 @@ def _prefill_seconds(target: Any, batch: dict[str, torch.Tensor]) -> float:
     return time.perf_counter() - started
 
 
+def _batch_methods(bench: Bench, batch_size: int) -> tuple[list[Any], list[str]]:
+    """(plain first, then the drafter methods; the names of the methods a batch cannot run, each said on stderr)."""
+    methods = sorted((m for m in bench.methods if m.kind in ("plain", "drafter")), key=lambda m: m.kind != "plain")
+    skipped = [m.name for m in bench.methods if m not in methods]
+    for name in skipped:
+        print(f"[hf-retrace bench] {name}: skipped at --batch-size {batch_size} (transformers' assisted loop, which "
+              "it runs in, refuses batches)", file=sys.stderr)
+    return methods, skipped
+
+
+def _batches(plan: BenchPlan, tokenizer: Any, batch_size: int, pad: int, device: Any) -> dict[str, list[dict]]:
+    """Per dataset, its prompts' first turns in left-padded batches of ``batch_size`` (the last may be smaller)."""
+    return {dataset: [left_padded(prompt_token_ids(tokenizer, [p.turns[0] for p in prompts[i : i + batch_size]]),
+                                  pad, device)
+                      for i in range(0, len(prompts), batch_size)]
+            for dataset, prompts in plan.prompts.items()}
+
+
 def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> dict[str, Any]:
     """Load the models, warm up, run every batch with plain and each drafting method; return the report dict."""
     from .runner import _settings, load_models, temperature_label
 
     target, tokenizer, drafters = load_models(plan)
     bench = Bench(plan, target, tokenizer, drafters)
-    methods = sorted((m for m in bench.methods if m.kind in ("plain", "drafter")), key=lambda m: m.kind != "plain")
-    skipped = [m.name for m in bench.methods if m not in methods]
-    for name in skipped:
-        print(f"[hf-retrace bench] {name}: skipped at --batch-size {batch_size} (transformers' assisted loop, which "
-              "it runs in, refuses batches)", file=sys.stderr)
+    methods, skipped = _batch_methods(bench, batch_size)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     eos = target.generation_config.eos_token_id
     eos_ids = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
     device = target.get_input_embeddings().weight.device
-    batches = {dataset: [_padded(prompt_token_ids(tokenizer, [p.turns[0] for p in prompts[i : i + batch_size]]),
-                                 pad, device)
-                         for i in range(0, len(prompts), batch_size)]
-               for dataset, prompts in plan.prompts.items()}
+    batches = _batches(plan, tokenizer, batch_size, pad, device)
 
     def call(method: Any, batch: dict, temperature: float, seed: int, max_new_tokens: int) -> tuple[Any, float]:
         torch.manual_seed(seed)
@@ -100,7 +103,8 @@ def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> 
     for dataset, dataset_batches in batches.items():
         for temperature in spec.temperatures:
             seeds = [s for t, s in runs if t == temperature]
-            totals = {m.name: dict(tokens=0, seconds=0.0, stats=[], differing=0, rows=0) for m in methods}
+            totals = {m.name: dict(tokens=0, seconds=0.0, stats=[], differing=0, near_ties=0, rows=0)
+                      for m in methods}
             for batch in dataset_batches:
                 prefill = _prefill_seconds(target, batch)
                 for seed in seeds:
@@ -116,27 +120,44 @@ def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> 
                             plain_rows = new
                         else:
                             total["stats"].append(bench.drafters[method.name].last_stats)
-                            if temperature == 0 and plain_rows is not None:
-                                total["differing"] += sum(a != b for a, b in zip(new, plain_rows))
+                            if temperature == 0 and plain_rows is not None:  # (outside the timed call)
+                                _count_differing(target, batch, new, plain_rows, spec.dtype, total)
             plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"] if "plain" in totals else None
             for method in methods:
-                total = totals[method.name]
-                rate = total["tokens"] / total["seconds"]
-                stats = [s for s in total["stats"] if s is not None]
-                rows.append({
-                    "dataset": dataset, "temperature": temperature_label(temperature), "method": method.name,
-                    "batch_size": batch_size, "batches": len(dataset_batches), "rows": total["rows"],
-                    "decode_tokens": total["tokens"], "decode_seconds": total["seconds"],
-                    "tokens_per_second": rate, "speedup": rate / plain_rate if plain_rate else None,
-                    "tau": GenerationStats.pooled(stats).mean_acceptance_length if stats else None,
-                    "rows_differing_from_plain": total["differing"] if temperature == 0 else None,
-                })
-    return {"settings": {**_settings(plan), "batch_size": batch_size, "skipped_methods": skipped,
-                         "timing": "decode only: each batch's generate wall time minus one timed batched prefill "
-                                   "forward; tokens after each row's first"},
-            "environment": {"device": str(device), "torch_threads": torch.get_num_threads(),
-                            "torch": torch.__version__},
-            "rows": rows}
+                rows.append({"dataset": dataset, "temperature": temperature_label(temperature), "method": method.name,
+                             "batch_size": batch_size, "batches": len(dataset_batches),
+                             **_measured(totals[method.name], plain_rate, temperature)})
+    timing = ("decode only: each batch's generate wall time minus one timed batched prefill forward; tokens after "
+              "each row's first")
+    environment = {"device": str(device), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
+    return {"settings": {**_settings(plan), "batch_size": batch_size, "skipped_methods": skipped, "timing": timing},
+            "environment": environment, "rows": rows}
+
+
+def _count_differing(target: Any, batch: dict[str, torch.Tensor], rows: list[list[int]], plain_rows: list[list[int]],
+                     dtype: str, total: dict[str, Any]) -> None:
+    """Count the T=0 rows that differ from plain's in ``total``, and those whose first divergence is a bf16 near-tie
+    (:func:`~hf_retrace.divergence.find_divergence`, on the row's unpadded prompt)."""
+    for b, (row, plain_row) in enumerate(zip(rows, plain_rows)):
+        if row == plain_row:
+            continue
+        prompt = batch["input_ids"][b][batch["attention_mask"][b].bool()][None]
+        found = find_divergence(target, prompt, plain_row, row, dtype)
+        total["differing"] += 1
+        total["near_ties"] += found is not None and found.verdict == "near-tie"
+
+
+def _measured(total: dict[str, Any], plain_rate: float | None, temperature: float) -> dict[str, Any]:
+    """One method's figures on one dataset and temperature, from its ``total``."""
+    rate = total["tokens"] / total["seconds"]
+    stats = [s for s in total["stats"] if s is not None]
+    pooled = GenerationStats.pooled(stats)
+    return {"rows": total["rows"], "decode_tokens": total["tokens"], "decode_seconds": total["seconds"],
+            "tokens_per_second": rate, "speedup": rate / plain_rate if plain_rate else None,
+            "tau": pooled.mean_acceptance_length if pooled.rounds else None,  # (None: decoded plainly)
+            "rows_differing_from_plain": total["differing"] if temperature == 0 else None,
+            "near_ties": total["near_ties"] if temperature == 0 else None,
+            "policy": "; ".join(sorted({s.policy for s in stats if s.policy})) or None}
 
 
 def batched_markdown(report: dict[str, Any]) -> str:
@@ -147,10 +168,22 @@ def batched_markdown(report: dict[str, Any]) -> str:
              f"{settings['timing']}.", "",
              "| dataset | T | method | rows | tok/s | speed-up | τ | rows ≠ plain (T=0) |",
              "|---|---|---|---|---|---|---|---|"]
+    policies = {}
     for row in report["rows"]:
         speedup = "–" if row["speedup"] is None else f"{row['speedup']:.2f}×"
         tau = "–" if row["tau"] is None else f"{row['tau']:.2f}"
         differing = "–" if row["rows_differing_from_plain"] is None else str(row["rows_differing_from_plain"])
+        if row["rows_differing_from_plain"]:
+            ties = row.get("near_ties") or 0
+            differing += f" ({ties} near-tie, {row['rows_differing_from_plain'] - ties} beyond 2 ulps)"
         lines.append(f"| {row['dataset']} | {row['temperature']} | {row['method']} | {row['rows']} | "
                      f"{row['tokens_per_second']:.1f} | {speedup} | {tau} | {differing} |")
+        if row.get("policy"):
+            policies.setdefault((row["method"], row["temperature"]), row["policy"])
+    if policies:
+        lines += ["", "Round policies (each batch size is tuned apart):", ""]
+        lines += [f"- {method}, {temperature}: {policy}" for (method, temperature), policy in policies.items()]
+    lines += ["", "A row ≠ plain at T=0 is classified at its first differing token by the target's top-2 logit gap "
+              "there (hf_retrace.divergence: a near-tie is within 2 bf16 ulps; a batched bf16 verify rounds "
+              "differently from plain's one-token steps, and fp32 rows are equal, tests/test_batched.py)."]
     return "\n".join(lines) + "\n"

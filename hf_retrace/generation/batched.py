@@ -55,7 +55,8 @@ from .policy import RoundPolicy, resolve_policy
 from .proposal import Proposal, RoundInputs, Verdict
 from .target_features import TargetTap, cache_kwargs
 
-__all__ = ["batch_size_of", "batched_assisted_decoding", "check_batch", "left_padding", "row_processors"]
+__all__ = ["batch_size_of", "batched_assisted_decoding", "check_batch", "left_padded", "left_padding",
+           "row_processors"]
 
 # what generate hands the assisted loop for a decoder-only prompt; anything else is refused at batch > 1
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values", "use_cache",
@@ -67,6 +68,18 @@ def batch_size_of(original: Any, target: Any, args: tuple, kwargs: dict) -> int:
     bound = inspect.signature(original).bind(target, *args, **kwargs)
     input_ids = bound.arguments.get("input_ids")
     return int(input_ids.shape[0]) if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1
+
+
+def left_padded(rows: list[list[int]], pad: int, device: Any = None) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``attention_mask`` of token-id lists padded on the left with ``pad`` (what a tokenizer with
+    ``padding_side="left"`` returns), on ``device``."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for b, row in enumerate(rows):
+        input_ids[b, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        attention_mask[b, width - len(row) :] = 1
+    return dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
 
 
 def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -336,14 +349,8 @@ class BatchedLoop:
                 self.draft_seconds += time.perf_counter() - started
             for row in live:
                 self._propose(row)
-            width = max(row.drafts.shape[0] for row in live) + 1
-            tokens = torch.full((len(live), width), self.pad_token_id, dtype=torch.long, device=mask.device)
-            slot_mask = torch.zeros((len(live), width), dtype=mask.dtype, device=mask.device)
-            for r, row in enumerate(live):
-                block = torch.cat([row.pending, row.drafts])
-                tokens[r, : block.shape[0]] = block
-                slot_mask[r, : block.shape[0]] = 1
-            verify_positions = next_position[:, None] + torch.arange(width, device=mask.device)[None]
+            tokens, slot_mask = self._verify_batch(live, mask)
+            verify_positions = next_position[:, None] + torch.arange(tokens.shape[1], device=mask.device)[None]
             started = time.perf_counter()
             logits, window = self._forward(tokens, verify_positions, torch.cat([mask, slot_mask], 1), cache)
             self.verify_seconds += time.perf_counter() - started
@@ -367,6 +374,17 @@ class BatchedLoop:
             if len(self.time_criteria):
                 timed_out = bool(self.time_criteria(self.input_ids, None).any())
         return self._sequences()
+
+    def _verify_batch(self, live: list[_Row], mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[rows, max k + 1]``: each row's pending token and drafts, right-padded; and the mask of its real slots."""
+        width = max(row.drafts.shape[0] for row in live) + 1
+        tokens = torch.full((len(live), width), self.pad_token_id, dtype=torch.long, device=mask.device)
+        slot_mask = torch.zeros((len(live), width), dtype=mask.dtype, device=mask.device)
+        for r, row in enumerate(live):
+            block = torch.cat([row.pending, row.drafts])
+            tokens[r, : block.shape[0]] = block
+            slot_mask[r, : block.shape[0]] = 1
+        return tokens, slot_mask
 
     def _propose(self, row: _Row) -> None:
         """The row's round: its drafts (none when the round proposes nothing, e.g. no room or the guard backs off)."""
@@ -420,7 +438,7 @@ def batched_assisted_decoding(target: Any, original: Any, args: tuple, kwargs: d
     attention_mask = check_batch(target, input_ids, model_kwargs, config, check_prompt,
                                  arguments.get("logits_processor"), arguments.get("streamer"),
                                  bool(arguments.get("synced_gpus")))
-    policy = resolve_policy(drafter, target, config)
+    policy = resolve_policy(drafter, target, config, rows=input_ids.shape[0])
     if not policy.speculate:
         return decode_plainly(target, original, args, kwargs, policy)
     loop = BatchedLoop(target, drafter, input_ids, attention_mask, config, arguments.get("logits_processor"),

@@ -162,6 +162,14 @@ def check_inputs(target: Any, input_ids: Any, model_kwargs: dict | None = None) 
     Example: ``check_inputs(target, input_ids, {"attention_mask": mask})``.
     """
     model_kwargs = model_kwargs or {}
+    _check_prompt_tensor(input_ids, model_kwargs.get("inputs_embeds"))
+    _check_token_ids(target, input_ids)
+    check_context(target, input_ids.shape[1])
+    _check_prompt_kwargs(input_ids, model_kwargs)
+
+
+def _check_prompt_tensor(input_ids: Any, embeds: Any) -> None:
+    """The prompt's shape, batch and dtype, and embeddings that describe it (:func:`check_inputs`)."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a 2-D tensor [1, prompt tokens], got shape {list(input_ids.shape)}. "
                          "Pass input_ids[None] for a 1-D prompt.")
@@ -170,7 +178,6 @@ def check_inputs(target: Any, input_ids: Any, model_kwargs: dict | None = None) 
             f"hf_retrace speculative decoding runs one sequence at a time, got a batch of {input_ids.shape[0]}. "
             "Call generate once per prompt (transformers' assisted loop supports batch size 1 only)."
         )
-    embeds = model_kwargs.get("inputs_embeds")
     if embeds is not None and input_ids.shape[1] == 0 and embeds.shape[1] > 0:
         raise ValueError(
             f"inputs_embeds without input_ids ({embeds.shape[1]} embedded positions): the drafter drafts from the "
@@ -194,6 +201,10 @@ def check_inputs(target: Any, input_ids: Any, model_kwargs: dict | None = None) 
     if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         raise ValueError(f"input_ids must hold token ids (an integer tensor), got {input_ids.dtype}. Pass the "
                          "tokenizer's ids (e.g. .long()), or the embeddings as inputs_embeds with their ids.")
+
+
+def _check_token_ids(target: Any, input_ids: Any) -> None:
+    """Every id inside the target's vocabulary (:func:`check_inputs`)."""
     embeddings = target.get_input_embeddings()
     vocab = getattr(getattr(embeddings, "weight", None), "shape", (None,))[0]
     if vocab:
@@ -204,7 +215,10 @@ def check_inputs(target: Any, input_ids: Any, model_kwargs: dict | None = None) 
                 f"0..{vocab - 1}): the prompt was tokenized for another model, or is not token ids. Tokenize it with "
                 "the target's tokenizer."
             )
-    check_context(target, input_ids.shape[1])
+
+
+def _check_prompt_kwargs(input_ids: Any, model_kwargs: dict) -> None:
+    """The cache, mask, positions and embeddings given with the prompt (:func:`check_inputs`)."""
     cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
     if cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0:
         raise ValueError(

@@ -305,7 +305,7 @@ def shipped_policy(config: Any) -> RoundPolicy:
 
 
 # --- which policy a call gets ---------------------------------------------------------------------------------------
-PolicyResolver = Callable[[Any, Any, Any], RoundPolicy]
+PolicyResolver = Callable[..., RoundPolicy]  # (drafter, target, generation_config[, rows=B for a batch])
 _RESOLVER: list[PolicyResolver | None] = [None]
 
 
@@ -332,17 +332,21 @@ def observe_call(policy: RoundPolicy, stats: Sequence[Any]) -> None:
         observer(policy, stats)
 
 
-def resolve_policy(drafter: Any, target: Any, generation_config: Any) -> RoundPolicy:
+def resolve_policy(drafter: Any, target: Any, generation_config: Any, rows: int = 1) -> RoundPolicy:
     """The policy of one call, first match wins: the drafter view's own (``drafter.with_policy(policy)``); else the
-    installed resolver's (``HF_RETRACE_POLICY``, then the policy tuned for this machine: :mod:`hf_retrace.tuning.auto`);
-    else the drafter's shipped one. Changes given as ``drafter.with_policy(**changes)`` apply on top
+    installed resolver's (``HF_RETRACE_POLICY``, then the policy tuned for this machine: :mod:`hf_retrace.tuning.auto`;
+    a batch of ``rows`` > 1 rows is passed to it as ``rows=``, as each batch size is tuned apart); else the drafter's
+    shipped one. Changes given as ``drafter.with_policy(**changes)`` apply on top
     (:func:`view_policy`: a drafting knob drafts even over a plain policy)."""
     policy = getattr(drafter, "round_policy", None)
     changes = getattr(drafter, "policy_changes", None) or {}
     check_view(policy, changes)  # a bad view is refused before tuning and before any target forward
     if policy is None:
         resolver = _RESOLVER[0]
-        policy = shipped_policy(drafter.config) if resolver is None else resolver(drafter, target, generation_config)
+        if resolver is None:
+            policy = shipped_policy(drafter.config)
+        else:
+            policy = resolver(drafter, target, generation_config, **({"rows": rows} if rows > 1 else {}))
     if not changes:
         return policy
     try:

@@ -3,13 +3,18 @@
 The precedence (a view, then ``HF_RETRACE_POLICY``, then the tuned policy) is written once, in docs/round-policy.md.
 The tuned policy: at the first ``generate`` with a drafter, keyed by the target's and drafter's fingerprints, the
 dtype, the device, the CPU's model and flags, the thread count and the torch / transformers versions, this machine's
-costs are measured (:mod:`.costs`; timings too noisy to decide on keep the shipped policy, uncached), the drafter's
+costs are measured (:mod:`.costs`; timings too noisy to decide on keep the shipped policy, uncached, and are
+measured again by the first call :data:`RETRY_SECONDS` later, :data:`RETRIES` times at most a process), the drafter's
 recorded rounds replayed (:mod:`.search`; plain decoding only where two measurements agree), and the choice cached as
 JSON in ``$HF_RETRACE_CACHE/policies`` (default ``~/.cache/hf_retrace/policies``). Later processes read it in
 milliseconds. An entry is checked field by field on read; an unreadable, stale or invalid one is measured again, never
 fatal, and so is one whose first real calls realized a figure more than 15 % from the prediction (once). The file is
 written atomically, so two processes at once leave one valid file. A drafter without recorded rounds keeps its
 shipped policy, with the guard armed by the measured costs.
+
+A batch of ``B`` rows is priced apart, at its first call (``rows=B``; one entry per batch size): the costs are
+timed at ``B`` rows (:func:`.costs.measure_costs`), so a verify of ``B`` rows of ``k + 1`` tokens is weighed
+against plain batched decoding's ``B``-row step, and the same replay chooses, plain batched decoding included.
 
 One line on stderr says when a call tunes, what it chose, and whether it was cached.
 """
@@ -31,9 +36,9 @@ from ..atomic import write_text_atomically
 from ..defaults import cache_root
 from ..machine import cpu_info
 from ..generation.policy import RoundPolicy, shipped_policy
-from .costs import MachineCosts, measure_costs
+from .costs import MEASURE_SECONDS, MachineCosts, measure_costs
 from .records import RECORDS_FILENAME, RoundRecords
-from .search import LOOKUP_BUDGETS, choose_policies
+from .search import LOOKUP_BUDGETS, PLAIN_MARGIN, choose_policies
 
 __all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine_key", "note_realized",
            "policy_cache_dir", "realized_figure", "records_of", "tune", "tune_and_cache", "tuned_policies"]
@@ -41,6 +46,7 @@ __all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine
 POLICY_ENV_VAR = "HF_RETRACE_POLICY"
 CACHE_FORMAT = 2  # 2: robust costs, plain proved by two measurements, realized figures
 _MEMO: dict[str, dict[str, RoundPolicy]] = {}
+_RETRY: dict[str, tuple[float, int]] = {}  # digest -> (when an unsettled tuning may be tried again, tries left)
 _LOCK = threading.Lock()
 
 
@@ -55,8 +61,8 @@ def _fingerprint(model: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def machine_key(target: Any, drafter: Any) -> dict[str, Any]:
-    """Everything a tuned policy depends on besides the temperature."""
+def machine_key(target: Any, drafter: Any, rows: int = 1) -> dict[str, Any]:
+    """Everything a tuned policy depends on besides the temperature (``rows``: the batch size, keyed past 1)."""
     import importlib.metadata
 
     import transformers
@@ -72,6 +78,8 @@ def machine_key(target: Any, drafter: Any) -> dict[str, Any]:
            "transformers": transformers.__version__, "hf_retrace": version}
     if device.type == "cuda":
         key["accelerator"] = torch.cuda.get_device_name(device)
+    if rows > 1:
+        key["rows"] = rows
     records = _records_path(drafter)  # new records for the same weights: tuned again
     key["records"] = hashlib.sha256(records.read_bytes()).hexdigest()[:16] if records is not None else None
     return key
@@ -116,13 +124,25 @@ NAMES = ("greedy", "sampled")  # T=0, T>0
 _LABELS = {"greedy": "T=0", "sampled": "T>0"}
 REALIZED_TOKENS = 256  # committed in drafting rounds before the first calls' realized figure is recorded
 REALIZED_TOLERANCE = 0.15  # realized vs predicted tokens per step-cost: a wider gap is measured again
-UNSETTLED = ("this machine's timings stayed too noisy to decide on (spread {spread:.2f} between repeats); the shipped "
-             "policy is used for this process, and the next one measures again")
+UNSETTLED = ("this machine's timings stayed too noisy to decide on ({why}); the shipped policy is used for now, "
+             "measured again in this process after {retry:.0f} s (at most {retries} times), and by the next process")
+RETRY_SECONDS = 60.0  # an unsettled tuning is tried again by the first call this long after it (a busy moment passes)
+RETRIES = 2  # per process
 
 
-def tune(target: Any, drafter: Any, records: RoundRecords | None = None) -> dict[str, Any]:
-    """Measure this machine's costs and choose the policy per temperature; returns the result (``policies``,
-    ``costs``, ``tables``, ``seconds``, ``measurements``, and ``cacheable`` with ``note`` saying why not).
+def _unsettled_note(costs: MachineCosts) -> str:
+    from .costs import SPREAD_LIMIT
+
+    why = (f"the spread between repeats was {costs.spread:.2f}" if costs.spread > SPREAD_LIMIT else
+           f"the measurement did not finish within its {MEASURE_SECONDS:.0f} s: a busy machine, a one-token step took "
+           f"{costs.step_seconds * 1000:.0f} ms")
+    return UNSETTLED.format(why=why, retry=RETRY_SECONDS, retries=RETRIES)
+
+
+def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: int = 1) -> dict[str, Any]:
+    """Measure this machine's costs (at batch size ``rows``) and choose the policy per temperature; returns the result
+    (``policies``, ``costs``, ``tables``, ``seconds``, ``measurements``, and ``cacheable`` with ``note`` saying why
+    not).
 
     Timings too noisy to decide on (:attr:`MachineCosts.settled` False) keep the shipped policy, uncached. Plain
     decoding is a decision that must be proved: where the first measurement finds nothing that pays, the costs are
@@ -131,21 +151,21 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None) -> dict
     records = records if records is not None else records_of(drafter)
     longest = max([drafter.config.block_size - 1] + [b[1] for b in LOOKUP_BUDGETS if b])
     base = shipped_policy(drafter.config)
-    costs = measure_costs(target, drafter, max_drafts=longest)
+    costs = measure_costs(target, drafter, max_drafts=longest, rows=rows)
     result: dict[str, Any] = {"costs": costs.to_dict(), "measurements": [costs.to_dict()]}
     if not costs.settled:
         policies = {name: _unsettled(costs, base) for name in NAMES}
-        return _finish(result, policies, {}, started, UNSETTLED.format(spread=costs.spread))
+        return _finish(result, policies, {}, started, _unsettled_note(costs))
     choice = _choose(records, costs, base)
     plain = [name for name in NAMES if not choice[name].speculate]
     if plain:  # one measurement never decides plain decoding
-        second = measure_costs(target, drafter, max_drafts=longest)
+        second = measure_costs(target, drafter, max_drafts=longest, rows=rows)
         result["measurements"].append(second.to_dict())
         if not second.settled:
             for name in plain:
                 choice[name] = _unsettled(second, base)
             return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started,
-                           UNSETTLED.format(spread=second.spread))
+                           _unsettled_note(second))
         again = _choose(records, second, base)
         for name in plain:
             if again[name].speculate:  # the two disagree: plain is not proved, draft (the guard still backs off)
@@ -153,7 +173,38 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None) -> dict
                 choice["tables"][name] = again["tables"].get(name, [])
             else:
                 choice[name] = choice[name].replace(reason=choice[name].reason + "; two measurements agree")
-    return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started, "")
+    note = _check_batch(target, drafter, records, choice, result, rows) if rows > 1 and records is not None else ""
+    return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started, note)
+
+
+def _check_batch(target: Any, drafter: Any, records: RoundRecords, choice: dict[str, Any], result: dict[str, Any],
+                 rows: int) -> str:
+    """Each drafting choice for a batch of ``rows``, checked by a real A/B on the recorded prompts
+    (:func:`.verify.batch_check`): plain batched decoding where every pair realizes under 1 + ``PLAIN_MARGIN``,
+    the choice where every pair clears it; pairs that disagree keep the choice for this process, uncached (returns
+    why). Changes ``choice`` and records the pairs in ``result["batch_check"]``."""
+    from .verify import batch_check
+
+    note = ""
+    for name, answers in (("greedy", records.greedy), ("sampled", records.sampled)):
+        policy = choice[name]
+        if not policy.speculate or not answers:
+            continue
+        sampling = {"do_sample": False} if name == "greedy" else {"do_sample": True, "temperature": records.temperature}
+        ratios = batch_check(target, drafter, policy, answers, rows, sampling)
+        result.setdefault("batch_check", {})[name] = [round(r, 3) for r in ratios]
+        said = ", ".join(f"{r:.2f}x" for r in ratios)
+        if all(r < 1 + PLAIN_MARGIN for r in ratios):
+            choice[name] = policy.replace(speculate=False, expected_speedup=None, reason=(
+                f"at batch {rows} a real A/B on the recorded prompts realized {said} against plain batched decoding "
+                f"(the replay predicted {policy.expected_speedup}), under 1 + {PLAIN_MARGIN:g}"))
+            result["plain_measurements"] = len(ratios)
+        elif all(r >= 1 + PLAIN_MARGIN for r in ratios):
+            choice[name] = policy.replace(reason=f"a real A/B at batch {rows} realized {said}")
+        else:
+            note = (f"a real A/B at batch {rows} did not agree with itself ({said}); the choice is used for this "
+                    "process, and the next one measures again")
+    return note
 
 
 def _choose(records: RoundRecords | None, costs: MachineCosts, base: RoundPolicy) -> dict[str, Any]:
@@ -163,15 +214,19 @@ def _choose(records: RoundRecords | None, costs: MachineCosts, base: RoundPolicy
     return choose_policies(records, costs, base)
 
 
+UNSETTLED_REASON = "the timings were too noisy to tune on"
+
+
 def _unsettled(costs: MachineCosts, base: RoundPolicy) -> RoundPolicy:
     """The shipped policy (never plain) when the timings stay too noisy, armed so the guard still backs off."""
-    return costs.arm(base).replace(source="shipped", reason="the timings were too noisy to tune on")
+    return costs.arm(base).replace(source="shipped", reason=UNSETTLED_REASON)
 
 
 def _finish(result: dict[str, Any], policies: dict[str, RoundPolicy], tables: dict, started: float,
             note: str) -> dict[str, Any]:
     result.update(policies={name: policies[name].to_dict() for name in NAMES}, tables=tables,
-                  seconds=round(time.perf_counter() - started, 2), cacheable=not note, note=note)
+                  seconds=round(time.perf_counter() - started, 2), cacheable=not note, note=note,
+                  unsettled=any(policies[name].reason == UNSETTLED_REASON for name in NAMES))
     return result
 
 
@@ -223,22 +278,25 @@ def _policies(result: dict[str, Any], where: str = "round policy", digest: str |
     if digest is None:
         return policies
     step = (result.get("costs") or {}).get("step_seconds")  # the unit the first calls' figure is counted in
-    return {name: policy.replace(extra={"cache_digest": digest, "temperature": name, "step_seconds": step})
+    rows = (result.get("costs") or {}).get("rows", 1)
+    return {name: policy.replace(extra={"cache_digest": digest, "temperature": name, "step_seconds": step,
+                                        "rows": rows})
             for name, policy in policies.items()}
 
 
-def tune_and_cache(target: Any, drafter: Any, revisits: int = 0) -> tuple[dict[str, Any], Path]:
+def tune_and_cache(target: Any, drafter: Any, revisits: int = 0, rows: int = 1) -> tuple[dict[str, Any], Path]:
     """Tune now (whatever the cache holds) and cache the result for this machine when it may be (``result["cached"]``
-    says whether it was, ``result["cache_note"]`` why not); returns it and the cache path."""
-    key = machine_key(target, drafter)
+    says whether it was, ``result["cache_note"]`` why not); returns it and the cache path. ``rows``: the batch size."""
+    key = machine_key(target, drafter, rows)
     digest = _key_digest(key)
     path = policy_cache_dir() / f"{digest}.json"
-    result = tune(target, drafter)
+    result = tune(target, drafter, rows=rows)
     result["cached"], result["cache_note"] = False, result.get("note", "")
     if result.get("cacheable", True):
         plain = sum(1 for name in NAMES if not result["policies"][name].get("speculate", True))
         kept = {name: value for name, value in result.items() if name not in ("cached", "cache_note")}
-        entry = {"key": key, **kept, "plain_measurements": len(result.get("measurements", [1])) if plain else 0,
+        measured = result.get("plain_measurements", len(result.get("measurements", [1])))
+        entry = {"key": key, **kept, "plain_measurements": measured if plain else 0,
                  "revisits": revisits, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
         try:
             write_atomically(path, entry)
@@ -258,13 +316,15 @@ def cache_line(result: dict[str, Any], path: Path) -> str:
     return f"not cached: {result.get('cache_note') or 'not written'}"
 
 
-def tuned_policies(target: Any, drafter: Any) -> dict[str, RoundPolicy]:
-    """This machine's policies for ``target`` + ``drafter``: memoised, else cached on disk, else tuned now."""
-    key = machine_key(target, drafter)
+def tuned_policies(target: Any, drafter: Any, rows: int = 1) -> dict[str, RoundPolicy]:
+    """This machine's policies for ``target`` + ``drafter`` at batch size ``rows``: memoised, else cached on disk,
+    else tuned now."""
+    key = machine_key(target, drafter, rows)
     digest = _key_digest(key)
     path = policy_cache_dir() / f"{digest}.json"
     with _LOCK:
-        if digest in _MEMO:
+        retry = _RETRY.get(digest)
+        if digest in _MEMO and not (retry and retry[1] > 0 and time.monotonic() >= retry[0]):
             return _MEMO[digest]
         policies, why, realized = _read_cache(path, key)
         if policies is not None:
@@ -274,10 +334,18 @@ def tuned_policies(target: Any, drafter: Any) -> dict[str, RoundPolicy]:
     if why:
         print(f"[hf-retrace] {why}.", file=sys.stderr, flush=True)
         revisits = _entry_field(path, "revisits", 0) + realized
-    print("[hf-retrace] tuning the round policy for this machine (measuring costs)...", file=sys.stderr, flush=True)
-    result, path = tune_and_cache(target, drafter, revisits=revisits)
+    batch = f" at batch size {rows}" if rows > 1 else ""
+    again = " again (the last timings were too noisy)" if digest in _RETRY else ""
+    print(f"[hf-retrace] tuning the round policy for this machine{batch}{again} (measuring costs)...", file=sys.stderr,
+          flush=True)
+    result, path = tune_and_cache(target, drafter, revisits=revisits, rows=rows)
     with _LOCK:
         policies = _MEMO[digest]
+        if result.get("unsettled"):  # a busy moment: the first call after RETRY_SECONDS measures again
+            tries = _RETRY.get(digest, (0.0, RETRIES))[1]
+            _RETRY[digest] = (time.monotonic() + RETRY_SECONDS, tries - (digest in _RETRY))
+        else:
+            _RETRY.pop(digest, None)
     print(f"[hf-retrace] tuned in {result['seconds']:.1f} s ({cache_line(result, path)}): T=0 "
           f"{policies['greedy'].describe()}; T>0 {policies['sampled'].describe()}", file=sys.stderr, flush=True)
     return policies
@@ -310,8 +378,8 @@ def note_realized(policy: RoundPolicy, all_stats: Any) -> None:
     record it once in the cache entry beside the prediction (the next process start measures again when they are
     more than :data:`REALIZED_TOLERANCE` apart)."""
     digest, name = policy.extra.get("cache_digest"), policy.extra.get("temperature")
-    if digest is None or name is None or not policy.speculate:
-        return
+    if digest is None or name is None or not policy.speculate or policy.extra.get("rows", 1) != 1:
+        return  # (a batch's figure is counted per batch step: batch-1 calls check the prediction)
     with _LOCK:
         memo = _MEMO.get(digest)
         if memo is None or memo[name] != policy:  # a view changed it: not the cached choice's figure
@@ -370,10 +438,11 @@ def env_policy(drafter: Any, do_sample: bool = False) -> RoundPolicy | None:
     return None if value == "auto" else _env_policy(value, drafter, do_sample)
 
 
-def auto_policy(drafter: Any, target: Any, generation_config: Any) -> RoundPolicy:
-    """The resolver ``import hf_retrace`` installs (:func:`~hf_retrace.generation.policy.set_policy_resolver`)."""
+def auto_policy(drafter: Any, target: Any, generation_config: Any, rows: int = 1) -> RoundPolicy:
+    """The resolver ``import hf_retrace`` installs (:func:`~hf_retrace.generation.policy.set_policy_resolver`);
+    ``rows``: the call's batch size (each batch size is tuned apart)."""
     do_sample = bool(getattr(generation_config, "do_sample", False))
     policy = env_policy(drafter, do_sample)
     if policy is not None:
         return policy
-    return tuned_policies(target, drafter)["sampled" if do_sample else "greedy"]
+    return tuned_policies(target, drafter, rows)["sampled" if do_sample else "greedy"]

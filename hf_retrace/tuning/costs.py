@@ -12,6 +12,10 @@ Example::
 
     costs = measure_costs(target, drafter, max_drafts=16)
     costs.verify_costs[7], costs.draft_cost(None)   # verify 7 drafts; a full-block drafter round
+
+A batch is priced the same way with ``rows=B``: every forward then runs ``B`` rows, so the unit is a ``B``-row
+one-token step (plain batched decoding's), and the drafter round is the batch loop's (every row's whole block in one
+forward, before the rows' rounds decide: the accelerator order of :func:`~hf_retrace.generation.proposal.one_transfer`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ SPREAD_LIMIT = 0.2  # a k's repeats disagree when their robust spread (1.4826 MA
 PLAUSIBLE_SLACK = 0.25  # a verify of k + 1 tokens costs at most (k + 1) one-token steps, plus this share
 STEADY_TRIES = 3  # a sample whose two one-token steps disagree (by SPREAD_LIMIT) is timed again, this often at most
 ATTEMPTS = 2  # timings that stay unsettled after this many attempts leave the shipped policy in place, uncached
+MEASURE_SECONDS = 15.0  # a measurement still running after this is a busy machine (a core taken by another process
+# made a 2-thread one-token step 26x slower, measured: 1.0 s against 37 ms): it stops, unsettled, and decides nothing
 
 
 def timed(fn: Any, device: Any) -> float:
@@ -59,7 +65,8 @@ class MachineCosts:
     ``step_seconds``: the one-token forward itself; ``drafter_first``: the drafter runs on an accelerator, where rounds
     launch its whole block before the lookup decision (:func:`~hf_retrace.generation.proposal.one_transfer`);
     ``spread``: the largest disagreement between a timed ``k``'s repeats (:class:`VerifyFit`); ``settled``: False when
-    the timings stayed too noisy or implausible to decide on (the tuner keeps the shipped policy and caches nothing).
+    the timings stayed too noisy or implausible to decide on (the tuner keeps the shipped policy and caches nothing);
+    ``rows``: the batch size every forward was timed at (the unit is then a ``rows``-row one-token step).
     """
 
     verify_costs: tuple[float, ...]
@@ -69,6 +76,7 @@ class MachineCosts:
     drafter_first: bool = False
     spread: float = 0.0
     settled: bool = True
+    rows: int = 1
 
     def draft_cost(self, confidence_cut: float | None) -> float:
         """A drafter round's cost under a cut (``None``: full blocks score every slot; else mostly the first chunk; in
@@ -98,7 +106,7 @@ class MachineCosts:
     def from_dict(cls, data: dict[str, Any]) -> "MachineCosts":
         return cls(tuple(data["verify_costs"]), float(data["draft_cost_chunk"]), float(data["draft_cost_full"]),
                    float(data["step_seconds"]), bool(data.get("drafter_first", False)),
-                   float(data.get("spread", 0.0)), bool(data.get("settled", True)))
+                   float(data.get("spread", 0.0)), bool(data.get("settled", True)), int(data.get("rows", 1)))
 
 
 def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -116,11 +124,11 @@ def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
 
 @torch.inference_mode()
 def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256, repeats: int = 5,
-                         points: Sequence[int] = PROBE_POINTS) -> list[float]:
+                         points: Sequence[int] = PROBE_POINTS, rows: int = 1) -> list[float]:
     """``costs[k]`` for k = 0..``max_drafts``: seconds of a target forward over ``k + 1`` new tokens on a cached
     context / that of one token. ``k`` on ``points`` is timed, the ``k`` between interpolated, the ``k`` past the
     longest point extended along its last step (:func:`fit_verify_costs`)."""
-    probe = _verify_probe(target, max_drafts, context_length)
+    probe = _verify_probe(target, max_drafts, context_length, rows)
     ratios, _ = sample_verify_ratios(probe, _probe_points(max_drafts, points), repeats)
     return fit_verify_costs(ratios, max_drafts).costs
 
@@ -130,13 +138,14 @@ def _probe_points(max_drafts: int, points: Sequence[int] = PROBE_POINTS) -> list
 
 
 def sample_verify_ratios(probe: Callable[[int], float], ks: Sequence[int], repeats: int = 5,
-                         budget_seconds: float = 1.5, passes: int = MIN_PASSES) -> tuple[dict[int, list[float]],
-                                                                                         list[float]]:
+                         budget_seconds: float = 1.5, passes: int = MIN_PASSES,
+                         deadline: float | None = None) -> tuple[dict[int, list[float]], list[float]]:
     """Per ``k`` in ``ks``: the seconds of ``probe(k)`` (a forward over ``k + 1`` tokens) over the mean of the
     one-token forwards timed just before and just after it, once per pass (timed again, up to :data:`STEADY_TRIES`,
     while those two disagree: the load changed inside the sample); and every one-token forward's seconds.
     Every ``k`` gets ``passes`` passes (odd ones in reverse order, so no ``k`` always follows the same one); the
-    verifies of up to :data:`SHORT_DRAFTS` drafts get more, up to ``repeats``, while ``budget_seconds`` last."""
+    verifies of up to :data:`SHORT_DRAFTS` drafts get more, up to ``repeats``, while ``budget_seconds`` last. Past
+    ``deadline`` (a ``time.perf_counter()`` value) no sample starts: some ``k`` may then have fewer passes."""
     ratios: dict[int, list[float]] = {k: [] for k in ks}
     phase = random.Random(0)
     steps = [probe(0)]
@@ -146,6 +155,8 @@ def sample_verify_ratios(probe: Callable[[int], float], ks: Sequence[int], repea
             break
         order = list(ks) if index % 2 == 0 else list(reversed(ks))
         for k in order if index < passes else [k for k in order if k <= SHORT_DRAFTS]:
+            if deadline is not None and time.perf_counter() > deadline:
+                return ratios, steps
             if phase.random() < 0.5:  # no k always lands on the same beat of a load that comes and goes
                 steps.append(probe(0))
             for _ in range(STEADY_TRIES):  # a load that came or went inside the sandwich: time this k again
@@ -226,12 +237,12 @@ def _context_cache(target: Any, ids: torch.Tensor, context_length: int) -> Dynam
 
 
 @torch.inference_mode()
-def _verify_probe(target: Any, max_drafts: int, context_length: int) -> Callable[[int], float]:
-    """``probe(k)``: seconds of the target's forward over ``k + 1`` new tokens on a cached ``context_length``
-    context (the new positions cropped again after each), warmed up once."""
+def _verify_probe(target: Any, max_drafts: int, context_length: int, rows: int = 1) -> Callable[[int], float]:
+    """``probe(k)``: seconds of the target's forward over ``k + 1`` new tokens of each of ``rows`` rows on a cached
+    ``context_length`` context (the new positions cropped again after each), warmed up once."""
     device = target.get_input_embeddings().weight.device
     vocab = target.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, context_length + max_drafts + 1), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, vocab, (rows, context_length + max_drafts + 1), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
     cache = _context_cache(target, ids, context_length)
 
@@ -248,55 +259,67 @@ def _verify_probe(target: Any, max_drafts: int, context_length: int) -> Callable
 
 @torch.inference_mode()
 def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_length: int = 256,
-                       repeats: int = 3, step_probe: Callable[[], float] | None = None) -> tuple[float, float]:
+                       repeats: int = 3, step_probe: Callable[[], float] | None = None,
+                       rows: int = 1) -> tuple[float, float]:
     """(a drafter round scoring 2 slots, one scoring the whole block), in one-token steps: one forward over
-    ``[anchor, MASK x (B-1)]`` reading one new context row on a cached context, then the draft head. With
+    ``[anchor, MASK x (B-1)]`` reading one new context row on a cached context (for each of ``rows`` rows, in one
+    forward), then the draft head. With
     ``step_probe`` (a one-token target forward), each round is timed against the step just after it and the median
     ratio kept (a slowdown that lasts cancels); without, the fastest round over ``step_seconds``."""
     device = drafter.device
     block_size = drafter.config.block_size
     features = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
     generator = torch.Generator().manual_seed(0)
-    context = torch.randn(1, context_length + 1, features, generator=generator).to(device, drafter.dtype)
+    context = torch.randn(rows, context_length + 1, features, generator=generator).to(device, drafter.dtype)
     embed = target.get_input_embeddings()
     head = drafter.draft_head(target.get_output_embeddings())  # scored in its own dtype, as in a round
     cache = DynamicCache()
-    block = drafter.block_embeddings(torch.zeros(1, dtype=torch.long, device=device), embed)
+    block = drafter.block_embeddings(torch.zeros(rows, dtype=torch.long, device=device), embed)
     drafter(target_hidden=context[:, :context_length], noise_embedding=block,
-            position_ids=torch.arange(context_length + block_size, device=device)[None], past_key_values=cache,
+            position_ids=torch.arange(context_length + block_size, device=device)[None].expand(rows, -1),
+            past_key_values=cache,
             use_cache=True)
     cache.crop(-block_size)
-    positions = torch.arange(context_length, context_length + 1 + block_size, device=device)[None]
+    positions = torch.arange(context_length, context_length + 1 + block_size, device=device)[None].expand(rows, -1)
 
-    def round_(rows: int) -> None:
+    def round_(slots: int) -> None:
         hidden = drafter(target_hidden=context[:, context_length:], noise_embedding=block, position_ids=positions,
                          past_key_values=cache, use_cache=True)
         cache.crop(-(block_size + 1))
-        drafter.compute_logits(hidden[0, 1 : rows + 1], head).softmax(-1).amax(-1)
+        drafter.compute_logits(hidden[:, 1 : slots + 1], head).softmax(-1).amax(-1)
 
     chunk = min(2, block_size - 1)
     ratios: dict[int, list[float]] = {chunk: [], block_size - 1: []}
     for repeat in range(max(repeats, MIN_PASSES if step_probe else 1) + 1):
-        for rows in ratios:
-            took = timed(lambda: round_(rows), device)
+        for slots in ratios:
+            took = timed(lambda: round_(slots), device)
             if repeat:  # the first is a warm-up
-                ratios[rows].append(took / (step_probe() if step_probe else step_seconds))
+                ratios[slots].append(took / (step_probe() if step_probe else step_seconds))
     pick = statistics.median if step_probe else min
     return pick(ratios[chunk]), pick(ratios[block_size - 1])
 
 
 @torch.inference_mode()
 def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_length: int = 256,
-                  repeats: int = 5, attempts: int = ATTEMPTS) -> MachineCosts:
-    """This machine's :class:`MachineCosts` for ``target`` and ``drafter`` (about 2-4 s for a 135M target on 2 CPU
-    cores). Timings that stay unsettled (:attr:`VerifyFit.settled`) over ``attempts`` give ``settled=False``."""
+                  repeats: int = 5, attempts: int = ATTEMPTS, seconds: float = MEASURE_SECONDS,
+                  rows: int = 1) -> MachineCosts:
+    """This machine's :class:`MachineCosts` for ``target`` and ``drafter`` (about 4-5 s for a 135M target on 2 CPU
+    cores), at batch size ``rows``. Timings that stay unsettled (:attr:`VerifyFit.settled`) over ``attempts``, or that
+    do not finish their passes within ``seconds``, give ``settled=False``."""
     max_drafts = max(max_drafts, drafter.config.block_size - 1)
-    probe = _verify_probe(target, max_drafts, context_length)
+    deadline = time.perf_counter() + seconds
+    probe = _verify_probe(target, max_drafts, context_length, rows)
     for _ in range(max(attempts, 1)):  # a busy moment passes: time again before giving up on this window
-        ratios, steps = sample_verify_ratios(probe, _probe_points(max_drafts), repeats)
+        ratios, steps = sample_verify_ratios(probe, _probe_points(max_drafts), repeats, deadline=deadline)
         fit = fit_verify_costs(ratios, max_drafts)
-        if fit.settled:
+        finished = all(len(values) >= MIN_PASSES for values in ratios.values())
+        if (fit.settled and finished) or time.perf_counter() > deadline:
             break
     step = statistics.median(steps)
-    chunk, full = measure_draft_cost(target, drafter, step, context_length, repeats, step_probe=lambda: probe(0))
-    return MachineCosts(tuple(fit.costs), chunk, full, step, on_accelerator(drafter.device), fit.spread, fit.settled)
+    late = time.perf_counter() > deadline  # unsettled already: the drafter's cost once, without its paired steps
+    chunk, full = measure_draft_cost(target, drafter, step, context_length, 1 if late else repeats,
+                                     step_probe=None if late else lambda: probe(0), rows=rows)
+    # a batch drafts every row's whole block before the rows decide: the accelerator order (generation/batched.py)
+    drafter_first = on_accelerator(drafter.device) or rows > 1
+    return MachineCosts(tuple(fit.costs), chunk, full, step, drafter_first, fit.spread, fit.settled and finished,
+                        rows)

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..atomic import atomic_path
 from ..modeling import ROUND_RECORDS_FILENAME
 
 __all__ = ["AnswerRecord", "RECORDS_FILENAME", "RoundRecords"]
@@ -83,10 +84,8 @@ class RoundRecords:
     def save(self, folder: str | os.PathLike) -> Path:
         """Write ``round_records.json.gz`` into ``folder`` atomically; returns its path."""
         path = Path(folder) / RECORDS_FILENAME
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=9) as f:
+        with atomic_path(path) as temporary, gzip.open(temporary, "wt", encoding="utf-8", compresslevel=9) as f:
             json.dump(self.to_dict(), f, separators=(",", ":"))
-        os.replace(tmp, path)
         return path
 
     @classmethod

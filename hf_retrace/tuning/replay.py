@@ -6,6 +6,10 @@ The round is the generator's (guard, context lookup first within its budget, els
 (``tests/test_tuning.py``). The verdict is the recorded greedy answer's; costs are the policy's: one-token target
 steps per round (:meth:`RoundPolicy.round_cost`).
 
+A batch of ``rows`` rows (:func:`batch_round_cost`) runs its rows' rounds together: one drafter forward for every
+row, and one verify as wide as the row that drafted most, so a round there costs the drafter once plus the verify
+of the widest of ``rows`` rounds drawn from the replayed ones; its figure is tokens per row per ``rows``-row step.
+
 Example::
 
     replay(records.greedy, policy, max_drafts=7)["tokens_per_cost"]   # > 1: faster than plain on this machine
@@ -13,17 +17,18 @@ Example::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from ..generation.lookup_source import LookupSource
-from ..generation.policy import RoundPolicy
+from ..generation.policy import RoundPolicy, verify_cost
 from ..generation.proposal import Proposal, RoundInputs, Verdict
 from ..generation.round import Round
 from ..stats import GenerationStats
 from .records import AnswerRecord
 
-__all__ = ["RecordedDrafts", "accepted_prefix", "replay", "replay_rounds"]
+__all__ = ["RecordedDrafts", "accepted_prefix", "batch_round_cost", "replay", "replay_rounds"]
 
 
 def accepted_prefix(proposal: Sequence[int], tokens: Sequence[int], anchor: int) -> int:
@@ -54,14 +59,33 @@ class RecordedDrafts:
         """Recorded blocks do not depend on earlier verdicts."""
 
 
+def batch_round_cost(policy: RoundPolicy, drafted: Sequence[int], rows: int) -> float:
+    """The expected cost, in ``rows``-row steps, of one round of a batch whose rows draft as many tokens as rounds
+    drawn at random from ``drafted`` (0: a plain step): the drafter's forward once for every row (the batch loop
+    drafts each row's block every round) and the verify of the widest row,
+    ``sum_k verify_cost(k) * (F(k)^rows - F(k-1)^rows)`` with ``F`` the share of rounds drafting at most ``k``."""
+    counts, total = Counter(drafted), len(drafted)
+    if not total:
+        return 1.0
+    expected, below = 0.0, 0.0
+    for k in sorted(counts):
+        share = below + counts[k] / total
+        widest = share**rows - below**rows
+        expected += widest * (verify_cost(policy.verify_costs, k) if policy.verify_costs is not None else 1.0 + k)
+        below = share
+    return (policy.draft_cost or 0.0) + expected
+
+
 def replay(answers: Sequence[AnswerRecord], policy: RoundPolicy, max_drafts: int,
-           keep_rounds: bool = False) -> dict[str, Any]:
+           keep_rounds: bool = False, rows: int = 1) -> dict[str, Any]:
     """Walk every answer under ``policy`` as the generator would. Generation ends at the answer's end; like
     ``generate``, a round never drafts the answer's last token (no room for its bonus token). Plain steps (no room,
-    or the guard's back-off) cost one step each."""
+    or the guard's back-off) cost one step each; in a batch of ``rows`` > 1 every round costs
+    :func:`batch_round_cost` instead."""
     tokens = cost = 0.0
     rounds = lookup_rounds = plain_steps = 0
     log: list[tuple[str, int, int]] = []
+    widths: list[int] = []  # drafts of every round, 0 for a plain step
     for record in answers:
         seq, end = record.tokens, len(record.tokens)
         sources = [LookupSource(policy)] if policy.lookup else []
@@ -72,15 +96,19 @@ def replay(answers: Sequence[AnswerRecord], policy: RoundPolicy, max_drafts: int
             proposal = round_.propose(inputs) if policy.speculate else None
             if proposal is None:
                 tokens, cost, plain_steps, p = tokens + 1, cost + 1.0, plain_steps + 1, p + 1
+                widths.append(0)
                 continue
             accepted = accepted_prefix(proposal.host_tokens, seq, p)
             round_.observe(proposal, Verdict(accepted))
             from_lookup = proposal.source == "lookup"
             tokens, cost = tokens + accepted + 1, cost + policy.round_cost(len(proposal), from_lookup)
             rounds, lookup_rounds = rounds + 1, lookup_rounds + from_lookup
+            widths.append(len(proposal))
             if keep_rounds:
                 log.append((proposal.source, len(proposal), accepted))
             p += accepted + 1
+    if rows > 1 and widths:
+        cost = len(widths) * batch_round_cost(policy, widths, rows)
     result = {"tokens_per_cost": tokens / cost if cost else 0.0, "tau": (tokens - plain_steps) / max(rounds, 1),
               "lookup_share": lookup_rounds / max(rounds, 1), "rounds": rounds, "tokens": tokens,
               "plain_steps": plain_steps}
@@ -89,15 +117,21 @@ def replay(answers: Sequence[AnswerRecord], policy: RoundPolicy, max_drafts: int
     return result
 
 
-def replay_rounds(rounds: Sequence[tuple[Sequence[float], int]], policy: RoundPolicy) -> dict[str, float]:
+def replay_rounds(rounds: Sequence[tuple[Sequence[float], int]], policy: RoundPolicy,
+                  rows: int = 1) -> dict[str, float]:
     """Tokens per step-cost had ``policy``'s cut shortened the recorded full-block ``(confidences, accepted)``
-    rounds (no lookup, no guard): ``min(accepted, k) + 1`` tokens at the cost of ``k`` drafts."""
+    rounds (no lookup, no guard): ``min(accepted, k) + 1`` tokens at the cost of ``k`` drafts (in a batch of
+    ``rows`` > 1, :func:`batch_round_cost` a round)."""
     tokens = cost = drafted = 0.0
+    widths = []
     for confidences, accepted in rounds:
         k = policy.cut(confidences)
         tokens += min(accepted, k) + 1
         cost += policy.round_cost(k, False)
         drafted += k
+        widths.append(k)
+    if rows > 1 and widths:
+        cost = len(widths) * batch_round_cost(policy, widths, rows)
     n = max(len(rounds), 1)
     return {"tau": tokens / n, "mean_drafted": drafted / n, "tokens_per_cost": tokens / cost if cost else 0.0,
             "rounds": len(rounds)}

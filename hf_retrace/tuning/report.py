@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..generation.policy import RoundPolicy
+from .costs import SPREAD_LIMIT
 
 __all__ = ["print_tuning", "print_verification"]
 
@@ -13,7 +14,9 @@ def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
     """Print ``tune()``'s result: verify costs, drafter costs, the best replayed candidates, the choices."""
     costs = result["costs"]
     verify = costs["verify_costs"]
-    print(f"[hf-retrace] one-token target step: {costs['step_seconds'] * 1000:.1f} ms; drafter round: "
+    rows = costs.get("rows", 1)
+    batch = f" of a batch of {rows} rows (every figure in {rows}-row steps)" if rows > 1 else ""
+    print(f"[hf-retrace] one-token target step{batch}: {costs['step_seconds'] * 1000:.1f} ms; drafter round: "
           f"{costs['draft_cost_chunk']:.2f} steps (2 slots scored), {costs['draft_cost_full']:.2f} (full block)")
     print("verify cost of k drafts, in one-token steps:")
     print("| k | " + " | ".join(str(k) for k in range(len(verify))) + " |")
@@ -38,9 +41,13 @@ def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
                     break
         print(f"[hf-retrace] {label}: {RoundPolicy.from_dict(result['policies'][name]).describe()}")
     measured = len(result.get("measurements", [])) or 1
+    spread = costs.get("spread", 0.0)
+    how = f"largest spread between repeats {spread:.2f}"
+    if not costs.get("settled", True) and spread <= SPREAD_LIMIT:
+        how = "cut short at its deadline"
     print(f"[hf-retrace] tuning took {result['seconds']:.1f} s ({measured} cost measurement{'s' * (measured > 1)}; "
-          f"largest spread between repeats {costs.get('spread', 0.0):.2f})")
-    if result.get("note"):
+          f"{how})")
+    if result.get("note") and result.get("cache_note") != result["note"]:  # (else the cache line says it)
         print(f"[hf-retrace] {result['note']}")
 
 

@@ -53,7 +53,8 @@ def search_policy(answers: Sequence[Any], costs: MachineCosts, base: RoundPolicy
 
     def walk(cut: float | None, lookup: tuple[int, int] | None) -> dict[str, Any]:
         policy = costs.arm(base, confidence_cut=cut, **lookup_changes(lookup))
-        row = {"confidence_cut": cut, "lookup": lookup, "policy": policy, **replay(answers, policy, max_drafts)}
+        row = {"confidence_cut": cut, "lookup": lookup, "policy": policy,
+               **replay(answers, policy, max_drafts, rows=costs.rows)}
         table.append(row)
         return row
 
@@ -116,7 +117,8 @@ def _proposal_mode(records: RoundRecords, policy: RoundPolicy, costs: MachineCos
     for mode, rounds in (("argmax", argmax_rounds), ("sample", records.sample_rounds)):
         for cut in CUTS:
             candidate = costs.arm(policy, confidence_cut=cut, proposal_mode=mode)
-            rows.append({"proposal_mode": mode, "confidence_cut": cut, **replay_rounds(rounds, candidate)})
+            rows.append({"proposal_mode": mode, "confidence_cut": cut,
+                         **replay_rounds(rounds, candidate, rows=costs.rows)})
     tables["proposal_mode"] = rows
     best = best_row(rows)
     if best["proposal_mode"] == "argmax":
