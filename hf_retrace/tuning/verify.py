@@ -4,10 +4,9 @@ drafter's recorded prompts, each policy's predicted tokens per step-cost beside 
 Decode time excludes the prefill (a plain one-token ``generate`` per prompt, timed once, is subtracted), so the
 realized figure compares with the replay's, which prices decoding rounds only.
 
-A batch's choice is checked the same way before it is kept (:func:`batch_check`): the replay prices a batch's
-verify and drafter forward but not the batch loop's own work per round, which grows with the rows (measured on a
-Xeon with AMX, bf16: the replay predicted 1.87 / 1.56 / 1.28 tokens per step-cost at 2 / 4 / 8 rows, and the
-benchmark realized 1.07-1.72x / 0.99-1.41x / 0.77-1.00x).
+A batch's choice is checked the same way before it is kept (:func:`batch_check`): the replay's batch figure missed
+by 22-30 %, in the verify forwards (docs/design/batching.md; on a Xeon with AMX, bf16, it predicted 1.87 / 1.56 /
+1.28 tokens per step-cost at 2 / 4 / 8 rows, and the benchmark realized 1.07-1.72x / 0.99-1.41x / 0.77-1.00x).
 
 Example::
 
