@@ -574,17 +574,22 @@ def test_a_batch_round_costs_the_drafter_once_and_the_verify_of_its_widest_row()
     assert batch_round_cost(policy, half, rows=8) == pytest.approx(0.2 + 0.5**8 * 1.0 + (1 - 0.5**8) * 1.7)
 
 
-def test_a_wider_batch_is_priced_by_its_widest_rows_and_drafts_less_or_decodes_plainly():
+def test_a_batch_replay_prices_each_round_by_its_widest_row_and_narrows_the_lookup_budget():
+    from hf_retrace.tuning.replay import batch_round_cost, replay
+
     records = _records(0.6, loops=True)
-    alone = choose_policies(records, FLAT, RoundPolicy(lookup=True))
-    steep = dataclasses.replace(FLAT, verify_costs=tuple(1.0 + 0.12 * k for k in range(33)), rows=8,
+    batch = dataclasses.replace(FLAT, verify_costs=tuple(1.0 + 0.12 * k for k in range(33)), rows=8,
                                 drafter_first=True)
-    batch = choose_policies(records, steep, RoundPolicy(lookup=True))
-    figure = {name: max(row["tokens_per_cost"] for row in batch["tables"][name]) for name in batch["tables"]}
-    assert all(figure[name] < max(row["tokens_per_cost"] for row in alone["tables"][name]) for name in figure)
-    greedy = batch["greedy"]
-    # the batch never sends longer lookup copies than batch 1, each one widens every row's verify
-    assert not greedy.speculate or not greedy.lookup or greedy.lookup_cap <= alone["greedy"].lookup_cap
+    policy = batch.arm(RoundPolicy(lookup=True, lookup_start=4, lookup_cap=32, confidence_cut=0.3))
+    alone, wide = (replay(records.greedy, policy, 7, keep_rounds=True, rows=rows) for rows in (1, 8))
+    assert wide["tau"] == alone["tau"] and wide["rounds"] == alone["rounds"]  # the same rounds, priced apart
+    widths = [drafted for _, drafted, _ in alone["round_log"]] + [0] * alone["plain_steps"]
+    expected = alone["tokens"] / (len(widths) * batch_round_cost(policy, widths, 8))
+    assert wide["tokens_per_cost"] == pytest.approx(expected) and wide["tokens_per_cost"] < alone["tokens_per_cost"]
+    # one long lookup copy widens every row's verify: the batch chooses a narrower budget than batch 1 does
+    chosen = {rows: choose_policies(records, dataclasses.replace(batch, rows=rows), RoundPolicy(lookup=True))["greedy"]
+              for rows in (1, 8)}
+    assert chosen[1].lookup and chosen[8].lookup and chosen[8].lookup_cap < chosen[1].lookup_cap  # 2..8 against 4..32
 
 
 @pytest.mark.parametrize("pairs, speculates, cached", [
@@ -627,7 +632,7 @@ def test_the_batch_ab_times_both_arms_on_the_recorded_prompts(pair):
 
 def test_an_unsettled_tuning_is_tried_again_in_the_same_process_after_a_while(cache_dir, monkeypatch, pair, capsys):
     target, drafter = pair
-    busy = dataclasses.replace(ROWS, spread=0.0, settled=False, step_seconds=1.0)  # ran out of time: a busy machine
+    busy = dataclasses.replace(ROWS, spread=0.0, settled=False, step_seconds=1.0, timed_out=True)  # a busy machine
     measure, calls = _measured(busy, busy, FLAT)
     monkeypatch.setattr(auto, "measure_costs", measure)
     monkeypatch.setattr(auto, "records_of", lambda d: _records(0.6, loops=True))

@@ -56,7 +56,7 @@ from .proposal import Proposal, RoundInputs, Verdict
 from .target_features import TargetTap, cache_kwargs
 
 __all__ = ["batch_size_of", "batched_assisted_decoding", "check_batch", "left_padded", "left_padding",
-           "row_processors"]
+           "pad_token_id_of", "row_processors"]
 
 # what generate hands the assisted loop for a decoder-only prompt; anything else is refused at batch > 1
 _KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "cache", "past_key_values", "use_cache",
@@ -68,6 +68,15 @@ def batch_size_of(original: Any, target: Any, args: tuple, kwargs: dict) -> int:
     bound = inspect.signature(original).bind(target, *args, **kwargs)
     input_ids = bound.arguments.get("input_ids")
     return int(input_ids.shape[0]) if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1
+
+
+def pad_token_id_of(generation_config: Any) -> int:
+    """The id a call pads with: the generation config's ``pad_token_id``, else its (first) EOS id, else 0."""
+    pad = generation_config.pad_token_id
+    if pad is None:
+        pad = generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+    return int(pad) if pad is not None else 0
 
 
 def left_padded(rows: list[list[int]], pad: int, device: Any = None) -> dict[str, torch.Tensor]:

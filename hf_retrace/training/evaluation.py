@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..generation.batched import pad_token_id_of
 from ..generation.policy import RoundPolicy, shipped_policy
 from ..stats import GenerationStats
 
@@ -73,10 +74,7 @@ class TauEvaluator:
         try:
             for ids in prompts:
                 input_ids = torch.tensor([ids], device=device)
-                pad = self.target.generation_config.pad_token_id
-                if pad is None:
-                    pad = self.target.generation_config.eos_token_id
-                    pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+                pad = pad_token_id_of(self.target.generation_config)
                 self.target.generate(
                     input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=view,
                     max_new_tokens=self.max_new_tokens, do_sample=False, pad_token_id=pad,

@@ -14,7 +14,8 @@ shipped policy, with the guard armed by the measured costs.
 
 A batch of ``B`` rows is priced apart, at its first call (``rows=B``; one entry per batch size): the costs are
 timed at ``B`` rows (:func:`.costs.measure_costs`), so a verify of ``B`` rows of ``k + 1`` tokens is weighed
-against plain batched decoding's ``B``-row step, and the same replay chooses, plain batched decoding included.
+against plain batched decoding's ``B``-row step; the same replay chooses, each round priced by its widest row, and a
+drafting choice is kept only where a real A/B against plain batched decoding agrees (:func:`.verify.batch_check`).
 
 One line on stderr says when a call tunes, what it chose, and whether it was cached.
 """
@@ -36,7 +37,7 @@ from ..atomic import write_text_atomically
 from ..defaults import cache_root
 from ..machine import cpu_info
 from ..generation.policy import RoundPolicy, shipped_policy
-from .costs import MEASURE_SECONDS, MachineCosts, measure_costs
+from .costs import MachineCosts, measure_costs
 from .records import RECORDS_FILENAME, RoundRecords
 from .search import LOOKUP_BUDGETS, PLAIN_MARGIN, choose_policies
 
@@ -131,12 +132,7 @@ RETRIES = 2  # per process
 
 
 def _unsettled_note(costs: MachineCosts) -> str:
-    from .costs import SPREAD_LIMIT
-
-    why = (f"the spread between repeats was {costs.spread:.2f}" if costs.spread > SPREAD_LIMIT else
-           f"the measurement did not finish within its {MEASURE_SECONDS:.0f} s: a busy machine, a one-token step took "
-           f"{costs.step_seconds * 1000:.0f} ms")
-    return UNSETTLED.format(why=why, retry=RETRY_SECONDS, retries=RETRIES)
+    return UNSETTLED.format(why=costs.unsettled_cause(), retry=RETRY_SECONDS, retries=RETRIES)
 
 
 def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: int = 1) -> dict[str, Any]:
@@ -155,6 +151,7 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
     result: dict[str, Any] = {"costs": costs.to_dict(), "measurements": [costs.to_dict()]}
     if not costs.settled:
         policies = {name: _unsettled(costs, base) for name in NAMES}
+        result["unsettled"] = True
         return _finish(result, policies, {}, started, _unsettled_note(costs))
     choice = _choose(records, costs, base)
     plain = [name for name in NAMES if not choice[name].speculate]
@@ -164,6 +161,7 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
         if not second.settled:
             for name in plain:
                 choice[name] = _unsettled(second, base)
+            result["unsettled"] = True
             return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started,
                            _unsettled_note(second))
         again = _choose(records, second, base)
@@ -214,19 +212,15 @@ def _choose(records: RoundRecords | None, costs: MachineCosts, base: RoundPolicy
     return choose_policies(records, costs, base)
 
 
-UNSETTLED_REASON = "the timings were too noisy to tune on"
-
-
 def _unsettled(costs: MachineCosts, base: RoundPolicy) -> RoundPolicy:
     """The shipped policy (never plain) when the timings stay too noisy, armed so the guard still backs off."""
-    return costs.arm(base).replace(source="shipped", reason=UNSETTLED_REASON)
+    return costs.arm(base).replace(source="shipped", reason="the timings were too noisy to tune on")
 
 
 def _finish(result: dict[str, Any], policies: dict[str, RoundPolicy], tables: dict, started: float,
             note: str) -> dict[str, Any]:
     result.update(policies={name: policies[name].to_dict() for name in NAMES}, tables=tables,
-                  seconds=round(time.perf_counter() - started, 2), cacheable=not note, note=note,
-                  unsettled=any(policies[name].reason == UNSETTLED_REASON for name in NAMES))
+                  seconds=round(time.perf_counter() - started, 2), cacheable=not note, note=note)
     return result
 
 

@@ -66,7 +66,8 @@ class MachineCosts:
     launch its whole block before the lookup decision (:func:`~hf_retrace.generation.proposal.one_transfer`);
     ``spread``: the largest disagreement between a timed ``k``'s repeats (:class:`VerifyFit`); ``settled``: False when
     the timings stayed too noisy or implausible to decide on (the tuner keeps the shipped policy and caches nothing);
-    ``rows``: the batch size every forward was timed at (the unit is then a ``rows``-row one-token step).
+    ``rows``: the batch size every forward was timed at (the unit is then a ``rows``-row one-token step);
+    ``timed_out``: the measurement ran past :data:`MEASURE_SECONDS` before its passes were done (a busy machine).
     """
 
     verify_costs: tuple[float, ...]
@@ -77,6 +78,18 @@ class MachineCosts:
     spread: float = 0.0
     settled: bool = True
     rows: int = 1
+    timed_out: bool = False
+
+    def unsettled_cause(self) -> str:
+        """Why the timings decide nothing, in words ("" when settled)."""
+        if self.settled:
+            return ""
+        if self.timed_out:
+            return (f"the measurement did not finish within its {MEASURE_SECONDS:.0f} s: a busy machine, a one-token "
+                    f"step took {self.step_seconds * 1000:.0f} ms")
+        if self.spread > SPREAD_LIMIT:
+            return f"the spread between repeats was {self.spread:.2f}"
+        return "a verify cost more than its tokens as separate steps"
 
     def draft_cost(self, confidence_cut: float | None) -> float:
         """A drafter round's cost under a cut (``None``: full blocks score every slot; else mostly the first chunk; in
@@ -106,7 +119,8 @@ class MachineCosts:
     def from_dict(cls, data: dict[str, Any]) -> "MachineCosts":
         return cls(tuple(data["verify_costs"]), float(data["draft_cost_chunk"]), float(data["draft_cost_full"]),
                    float(data["step_seconds"]), bool(data.get("drafter_first", False)),
-                   float(data.get("spread", 0.0)), bool(data.get("settled", True)), int(data.get("rows", 1)))
+                   float(data.get("spread", 0.0)), bool(data.get("settled", True)), int(data.get("rows", 1)),
+                   bool(data.get("timed_out", False)))
 
 
 def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -322,4 +336,4 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
     # a batch drafts every row's whole block before the rows decide: the accelerator order (generation/batched.py)
     drafter_first = on_accelerator(drafter.device) or rows > 1
     return MachineCosts(tuple(fit.costs), chunk, full, step, drafter_first, fit.spread, fit.settled and finished,
-                        rows)
+                        rows, timed_out=not finished)

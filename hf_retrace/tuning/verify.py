@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..generation.batched import left_padded
+from ..generation.batched import left_padded, pad_token_id_of
 from ..generation.placement import synchronize
 from ..generation.policy import RoundPolicy, shipped_policy
 from .costs import MachineCosts
@@ -122,10 +122,7 @@ def batch_check(target: Any, drafter: Any, policy: RoundPolicy, answers: list[An
     device = target.get_input_embeddings().weight.device
     prompts = [a.tokens[: a.start] for a in answers[:rows]]
     prompts = [prompts[i % len(prompts)] for i in range(rows)]
-    pad = target.generation_config.pad_token_id
-    if pad is None:
-        eos = target.generation_config.eos_token_id
-        pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) if eos is not None else 0
+    pad = pad_token_id_of(target.generation_config)
     batch = left_padded(prompts, pad, device)
     view = drafter.with_policy(policy)
     sampling = sampling or {"do_sample": False}
