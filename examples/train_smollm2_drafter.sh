@@ -12,7 +12,9 @@
 #
 # The breadth drafter (issue 22: code and second turns beside math and first turns), on the answers of
 # examples/make_drafter_data.sh in $HF_RETRACE_DATA (default ~/.cache/hf_retrace_data). The shipped drafter since
-# 2026-12-03 is breadth-continue's, calibrated by breadth-calibrate. On a 2-core Xeon with AMX it took: the answers
+# 2026-12-05 is issue 36's: `shared-data`, `shape 2 8 4`, `breadth-data`, `shape-continue 2 8`, then
+# `DRAFTER=$RUNS/shape-l2-b8-c2 ... breadth-calibrate` (2026-12-03 to 05: breadth-continue's, the one before it, whose
+# breadth-data took 14,986 answers where the current machine had 8,002). On a 2-core Xeon with AMX it took: the answers
 # 2 h 45 min (WORKERS=2), breadth-data ~35 min, the two runs side by side 77 min (THREADS=1 each), calibration 10 min:
 #   breadth-data      tokenize the shipped answers, then the new ones, leaving out the prompts rounds are recorded
 #                     on (round-record-prompts.jsonl, examples/round_record_prompts.py --prompts-dir); run it again

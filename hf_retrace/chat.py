@@ -12,10 +12,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["chat_messages", "has_chat_template", "humaneval_prompt", "prompt_token_ids", "render_chat", "render_prompt"]
+__all__ = ["ID_FIELDS", "PROMPT_FIELDS", "chat_messages", "has_chat_template", "humaneval_prompt", "prompt_field",
+           "prompt_token_ids", "record_id", "render_chat", "render_prompt", "user_turns"]
 
 # DFlash's HumanEval instruction (its ``benchmark.py``): the benchmark's ``humaneval`` set and training's code prompts
 _HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{code}\n```"
@@ -69,3 +70,62 @@ def prompt_token_ids(
     texts = [render_prompt(tokenizer, prompt, history) for prompt, history in zip(prompts, histories)]
     encoded = tokenizer(texts, add_special_tokens=not has_chat_template(tokenizer))["input_ids"]
     return [list(ids) for ids in encoded]
+
+
+# --- prompt records: the one schema of the benchmark's and training's prompt files ----------------------------------
+PROMPT_FIELDS: tuple[str, ...] = ("turns", "messages", "conversations", "prompt", "question", "problem")
+"""The fields a prompt record carries its user turns in, the first holding usable text wins: ``turns`` (the user
+turns, a list of strings), ``messages`` / ``conversations`` (chat messages, ``{role, content}`` or ``{from, value}``:
+the user ones), or one text (``prompt``, ``question``, ``problem``)."""
+
+ID_FIELDS: tuple[str, ...] = ("id", "question_id", "task_id", "unique_id", "idx")
+"""The fields a prompt record's id comes from, the first holding a value wins."""
+
+
+def _user_text(message: Any) -> str | None:
+    if isinstance(message, Mapping) and message.get("role", message.get("from")) in ("user", "human"):
+        text = message.get("content", message.get("value"))
+        return text if isinstance(text, str) else None
+    return None
+
+
+_TURN_LISTS = ("turns", "messages", "conversations")  # the fields of PROMPT_FIELDS that hold a list
+
+
+def _turns_in(field: str, value: Any) -> list[str] | None:
+    """``field``'s user turns; None unless a list of strings or of chat messages (:data:`_TURN_LISTS`) or one string
+    (the others), no turn blank."""
+    if isinstance(value, str) and field not in _TURN_LISTS:
+        turns = [value]
+    elif field not in _TURN_LISTS or not isinstance(value, (list, tuple)):
+        return None
+    elif all(isinstance(turn, str) for turn in value):
+        turns = list(value)
+    else:
+        turns = [text for text in map(_user_text, value) if text is not None]
+    return turns if turns and all(turn.strip() for turn in turns) else None
+
+
+def prompt_field(record: Mapping[str, Any]) -> str | None:
+    """The field of :data:`PROMPT_FIELDS` a record's user turns come from (the first holding usable text), or None."""
+    return next((field for field in PROMPT_FIELDS if field in record and _turns_in(field, record[field])), None)
+
+
+def user_turns(record: Mapping[str, Any]) -> list[str] | None:
+    """The user turns of a prompt record, from its :func:`prompt_field`; None when no field holds usable text.
+
+    Example: ``user_turns({"turns": ["Hi?", "And then?"]}) == ["Hi?", "And then?"]``,
+    ``user_turns({"messages": [{"role": "user", "content": "Hi?"}]}) == ["Hi?"]``,
+    ``user_turns({"turns": [], "prompt": "Hi?"}) == ["Hi?"]``.
+    """
+    field = prompt_field(record)
+    return None if field is None else _turns_in(field, record[field])
+
+
+def record_id(record: Mapping[str, Any], fallback: str | None = None) -> str | None:
+    """A prompt record's id: its first :data:`ID_FIELDS` value that is a scalar, else ``fallback``."""
+    for field in ID_FIELDS:
+        value = record.get(field)
+        if value is not None and not isinstance(value, (Mapping, list, tuple)):
+            return str(value)
+    return fallback

@@ -32,6 +32,21 @@ def use_policy(monkeypatch):
 
 
 @pytest.fixture
+def use_dispatch():
+    """Install the global dispatch with a test's own dependencies, ``use_dispatch(resolver=..., observer=...)`` (the
+    one not named keeps the installed one); the dispatch ``import hf_retrace`` installed is put back afterwards."""
+    from hf_retrace.generation import dispatch
+
+    installed = dispatch.installed()
+
+    def install(**dependencies):
+        assert dispatch.install(**{"resolver": installed.resolver, "observer": installed.observer, **dependencies})
+
+    yield install
+    dispatch.install(resolver=installed.resolver, observer=installed.observer)
+
+
+@pytest.fixture
 def count_forwards():
     """Count calls of a module's forward: ``counter = count_forwards(model)``, then ``counter["n"]``."""
     handles = []

@@ -305,3 +305,20 @@ def test_module_is_pure():
     out = subprocess.run([sys.executable, "-c", code, ds.__file__], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_the_benchmark_and_training_read_a_prompt_record_alike(tmp_path):
+    from hf_retrace.chat import PROMPT_FIELDS
+    from hf_retrace.training.data import PROMPT_FIELDS as TRAINING_FIELDS, read_prompts
+
+    records = [
+        {"idx": 3, "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hi?"}]},
+        {"task_id": "T/2", "turns": [], "question": "q"},  # an empty turns list falls through to the next field
+        {"unique_id": "u", "conversations": [{"from": "human", "value": "v"}, {"from": "gpt", "value": "w"}]},
+        {"id": "p", "prompt": "plain text"},
+    ]
+    path = _write(tmp_path / "mixed.jsonl", records)
+    bench, training = load_prompts(path), read_prompts(path)
+    assert [p.turns[0] for p in bench] == [r.prompt for r in training] == ["Hi?", "q", "v", "plain text"]
+    assert [p.id for p in bench] == [r.id for r in training] == ["3", "T/2", "u", "p"]
+    assert ds.PROMPT_FIELDS is TRAINING_FIELDS is PROMPT_FIELDS  # one schema

@@ -146,6 +146,8 @@ def test_uninstall_removes_only_our_own_layer(target, prompt):
 
     name = "_get_candidate_generator"
     ours = GenerationMixin.__dict__[name]
+    installed = dispatch.installed()
+    dependencies = dict(resolver=installed.resolver, observer=installed.observer)
     calls = {"n": 0}
 
     @functools.wraps(ours)
@@ -164,11 +166,12 @@ def test_uninstall_removes_only_our_own_layer(target, prompt):
         assert out.tolist() == reference.tolist() and calls["n"] == 1 and drafter.last_stats is not None
     finally:
         setattr(GenerationMixin, name, ours)
-        dispatch.install()
+        dispatch.install(**dependencies)
     assert dispatch.uninstall() is True
     assert not hasattr(GenerationMixin.__dict__[name], dispatch._WRAPPED)
-    dispatch.install()
+    dispatch.install(**dependencies)
     assert GenerationMixin.__dict__[name] is not ours and id(GenerationMixin.__dict__[name]) in dispatch._OURS
+    assert dispatch.installed() == installed
 
 
 @pytest.mark.parametrize("where", ["drafter", "target"])

@@ -34,15 +34,15 @@ def _prompt(length: int = 7, seed: int = 0) -> torch.Tensor:
 
 
 @pytest.fixture
-def resolver_calls(monkeypatch):
+def resolver_calls(use_dispatch):
     """Count how often a call's round policy is resolved (where first-use tuning runs); the drafter's shipped policy."""
     calls = {"n": 0}
 
-    def resolver(drafter, target, generation_config):
+    def resolver(drafter, target, generation_config, **context):
         calls["n"] += 1
         return round_policy.shipped_policy(drafter.config)
 
-    monkeypatch.setattr(round_policy, "_RESOLVER", [resolver])
+    use_dispatch(resolver=resolver)
     return calls
 
 

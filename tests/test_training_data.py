@@ -101,7 +101,7 @@ def test_ids_fall_back_to_line_numbers_and_limit_and_suffix(tmp_path):
 
 def test_file_without_prompt_fields_is_a_clear_error(tmp_path):
     path = _write_jsonl(tmp_path / "bad.jsonl", [{"id": 1, "text": "x", "label": 0}] * 3)
-    with pytest.raises(ValueError, match=r"Fields found: \['id', 'label', 'text'\].*expected one of \['prompt'"):
+    with pytest.raises(ValueError, match=r"Fields found: \['id', 'label', 'text'\].*expected one of \['turns'"):  # hf_retrace.chat.PROMPT_FIELDS
         validate_prompt_file(path)
     with pytest.raises(ValueError, match="no prompt field found"):
         read_prompts(path)

@@ -4,6 +4,7 @@ files and concurrent writers, every override wins where documented, and plain de
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import random
@@ -236,7 +237,7 @@ def test_every_override_wins_where_documented(cache_dir, monkeypatch, tmp_path):
     drafter = tiny_drafter(target, dtype=torch.float32)
     drafter.config.draft_confidence_threshold = 0.55
     config = target.generation_config
-    resolve = hf_retrace.generation.policy.resolve_policy
+    resolve = functools.partial(hf_retrace.generation.policy.resolve_policy, resolver=auto.auto_policy)
     assert resolve(drafter, target, config).lookup_cap == 7  # auto: tuned
     monkeypatch.setenv("HF_RETRACE_POLICY", "shipped")
     assert resolve(drafter, target, config).confidence_cut == 0.55

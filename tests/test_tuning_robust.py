@@ -17,7 +17,8 @@ from helpers import tiny_drafter, tiny_target
 from test_tuning import FLAT, ROWS, _records
 
 import hf_retrace
-from hf_retrace.generation.policy import FIELD_RULES, RoundPolicy, resolve_policy
+from hf_retrace.generation import policy as policy_module
+from hf_retrace.generation.policy import FIELD_RULES, RoundPolicy
 from hf_retrace.tuning import auto
 from hf_retrace.tuning import costs as costs_module
 from hf_retrace.tuning.costs import MachineCosts, fit_verify_costs, measure_costs, sample_verify_ratios
@@ -25,6 +26,12 @@ from hf_retrace.tuning.records import AnswerRecord, RoundRecords
 from hf_retrace.tuning.search import choose_policies
 from hf_retrace.tuning import verify as verify_module
 from hf_retrace.tuning.verify import batch_check, verify_arms, verify_tuning
+
+
+def resolve_policy(drafter, target, config):
+    """A call's policy as the installed dispatch resolves it (the machine's tuned one unless a view says otherwise)."""
+    return policy_module.resolve_policy(drafter, target, config, resolver=auto.auto_policy)
+
 
 KS = (1, 2, 3, 4, 8, 16)
 STEP = 0.04  # seconds of the fake one-token forward
@@ -132,13 +139,11 @@ def test_sampling_past_its_deadline_starts_no_sample():
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_RETRACE_POLICY", "auto")
-    auto._MEMO.clear()
-    auto._REALIZED.clear()
-    auto._RETRY.clear()
+    for state in (auto._MEMO, auto._REALIZED, auto._RETRY, auto._PROBES):
+        state.clear()
     yield tmp_path
-    auto._MEMO.clear()
-    auto._REALIZED.clear()
-    auto._RETRY.clear()
+    for state in (auto._MEMO, auto._REALIZED, auto._RETRY, auto._PROBES):
+        state.clear()
 
 
 @pytest.fixture
@@ -428,13 +433,15 @@ def test_verify_over_a_plain_choice_runs_the_best_drafting_rows():
     assert labels == ["plain", "best drafting", "runner-up"]
 
 
-def test_every_drafted_call_reports_its_stats_to_the_observer_and_a_plain_call_does_not(monkeypatch, pair):
-    from hf_retrace.generation import policy as policy_module
+def test_every_drafted_call_reports_its_stats_to_the_observer_and_a_plain_call_does_not(use_dispatch, pair):
+    from hf_retrace.generation import dispatch
 
-    assert policy_module._OBSERVER[0] is auto.note_realized and hf_retrace.RoundPolicy is RoundPolicy  # by import
+    installed = dispatch.installed()  # by import
+    assert installed.observer is auto.note_realized and installed.resolver is auto.auto_policy
+    assert hf_retrace.RoundPolicy is RoundPolicy
     target, drafter = pair
     seen: list = []
-    monkeypatch.setattr(policy_module, "_OBSERVER", [lambda policy, stats: seen.append((policy, stats))])
+    use_dispatch(observer=lambda policy, stats: seen.append((policy, stats)))
     view = drafter.with_policy(RoundPolicy(confidence_cut=0.3))
     target.generate(torch.tensor([[7, 8, 9, 10]]), assistant_model=view, max_new_tokens=8, do_sample=False)
     ((policy, (stats,)),) = seen
@@ -512,9 +519,7 @@ def test_each_batch_size_is_tuned_and_cached_apart_and_plain_where_a_batch_does_
     assert auto.auto_policy(drafter, target, config, rows=4) == batch and asked == [1, 4, 4]  # read from disk
 
 
-def test_a_batched_generate_asks_the_resolver_for_its_batch_size(monkeypatch, pair):
-    from hf_retrace.generation import policy as policy_module
-
+def test_a_batched_generate_asks_the_resolver_for_its_batch_size(use_dispatch, pair):
     target, drafter = pair
     asked = []
 
@@ -522,7 +527,7 @@ def test_a_batched_generate_asks_the_resolver_for_its_batch_size(monkeypatch, pa
         asked.append(context.get("rows", 1))
         return RoundPolicy(speculate=False, source="test", reason="a test's resolver")
 
-    monkeypatch.setattr(policy_module, "_RESOLVER", [resolver])
+    use_dispatch(resolver=resolver)
     ids = torch.tensor([[0, 5, 6, 7], [3, 4, 5, 6]])
     mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     out = target.generate(input_ids=ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=4,
@@ -668,3 +673,85 @@ def test_retries_in_a_process_are_bounded(cache_dir, monkeypatch, pair):
         auto.auto_policy(drafter, target, target.generation_config)
         clock[0] += 100
     assert len(calls) == 1 + auto.RETRIES
+
+
+def _plain_calls(drafter, target, count: int) -> list:
+    return [auto.auto_policy(drafter, target, target.generation_config) for _ in range(count)]
+
+
+def test_a_cached_plain_choice_is_checked_by_calls_that_draft_and_measured_again_where_they_pay(cache_dir, monkeypatch,
+                                                                                             pair, capsys):
+    target, drafter = pair
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _plain_tune(calls))
+    assert not any(p.speculate for p in _plain_calls(drafter, target, auto.PROBE_AFTER))
+    probe = auto.auto_policy(drafter, target, target.generation_config)
+    # the drafting policy plain turned down, armed with the machine's costs (the guard backs off where it loses)
+    assert probe.speculate and probe.extra["probe"] and probe.confidence_cut == 0.65
+    assert probe.verify_costs == pytest.approx(ROWS.verify_costs) and "checking plain" in probe.source
+    auto.note_realized(probe, [_stats(1.4)])
+    assert not any(p.speculate for p in _plain_calls(drafter, target, auto.PROBE_EVERY - 1))
+    probe = auto.auto_policy(drafter, target, target.generation_config)
+    assert probe.speculate
+    auto.note_realized(probe, [_stats(1.3)])
+    (path,) = cache_dir.glob("policies/*.json")
+    assert json.loads(path.read_text())["probes"]["greedy"] == [1.4, 1.3]
+    capsys.readouterr()
+    auto.auto_policy(drafter, target, target.generation_config)  # the next call measures again, and says why
+    assert len(calls) == 2
+    assert "checked by 2 calls that drafted and realized 1.40, 1.30" in capsys.readouterr().err
+    # measured again once: its plain choice stands, unchecked, in this process and the next (no loop of re-tunings)
+    assert not any(p.speculate for p in _plain_calls(drafter, target, 3 * auto.PROBE_EVERY))
+    auto._MEMO.clear()
+    auto._PROBES.clear()
+    assert not any(p.speculate for p in _plain_calls(drafter, target, 3 * auto.PROBE_EVERY)) and len(calls) == 2
+
+
+@pytest.mark.parametrize("figure, rounds, checks_after", [(0.9, 100, []), (1.4, 5, [0, 16])])
+def test_a_check_that_confirms_plain_ends_the_checks_and_a_short_one_is_taken_again(cache_dir, monkeypatch, pair,
+                                                                                   figure, rounds, checks_after):
+    target, drafter = pair
+    monkeypatch.setattr(auto, "tune", _plain_tune([]))
+    _plain_calls(drafter, target, auto.PROBE_AFTER)
+    probe = auto.auto_policy(drafter, target, target.generation_config)
+    auto.note_realized(probe, [_stats(figure, rounds=rounds)])  # under 1 + PLAIN_MARGIN, or 15 tokens: too short
+    later = _plain_calls(drafter, target, 2 * auto.PROBE_EVERY)
+    # confirmed: no more checks in this process; too short: the very next call checks instead (and, never reported
+    # back, the one PROBE_EVERY after it)
+    assert [i for i, p in enumerate(later) if p.speculate] == checks_after
+    (path,) = cache_dir.glob("policies/*.json")
+    assert "probes" not in json.loads(path.read_text())
+
+
+def test_a_checking_call_is_a_real_drafted_call_with_the_targets_own_output(cache_dir, monkeypatch, pair):
+    target, drafter = pair
+    monkeypatch.setattr(auto, "tune", _plain_tune([]))
+    prompt = torch.tensor([[7, 8, 9, 10, 7, 8, 9, 10]])
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
+    for call in range(auto.PROBE_AFTER + 1):
+        out = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, plain)
+        assert (drafter.last_stats.rounds > 0) == (call == auto.PROBE_AFTER)
+    assert "checking plain" in drafter.last_stats.policy
+
+
+def test_a_batch_that_refuses_the_replays_choice_tries_the_shipped_constants_before_plain(cache_dir, monkeypatch, pair):
+    target, drafter = pair
+    drafter.config.draft_confidence_threshold, drafter.config.lookup = 0.65, True
+    drafter.config.lookup_start_tokens, drafter.config.lookup_num_tokens = 1, 4
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.6, loops=False))
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, rows=1, **k: dataclasses.replace(
+        FLAT, rows=rows, drafter_first=True))
+    checked = []
+
+    def batch_check(t, d, policy, answers, rows, sampling):  # the wide choice loses, the narrow shipped round pays
+        checked.append(policy)
+        return [1.3, 1.25] if (policy.confidence_cut, policy.lookup_cap) == (0.65, 4) else [0.95, 1.0]
+
+    monkeypatch.setattr(verify_module, "batch_check", batch_check)
+    result, _ = auto.tune_and_cache(target, drafter, rows=4)
+    greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
+    assert greedy.speculate and (greedy.confidence_cut, greedy.lookup_start, greedy.lookup_cap) == (0.65, 1, 4)
+    assert greedy.source == "shipped" and "shipped constants 1.30x, 1.25x" in greedy.reason
+    assert greedy.verify_costs == pytest.approx(FLAT.verify_costs)  # armed with the batch's costs
+    assert result["batch_check"]["greedy_shipped"] == [1.3, 1.25] and result["cached"]

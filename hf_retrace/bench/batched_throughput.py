@@ -94,10 +94,11 @@ def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> 
         synchronize(device)
         return out, time.perf_counter() - started
 
-    if spec.warmup:  # the first forwards of a process are slow: keep them out of the timings
+    if spec.warmup:  # the first forwards of a process are slow, and so is each method's first full-length call (its
+        # cache grown to the full length, every verify width met): keep them out of the timings
         first = next(iter(batches.values()))[0]
         for method in methods:
-            call(method, first, 0.0, spec.seeds[0], min(spec.max_new_tokens, 16))
+            call(method, first, 0.0, spec.seeds[0], spec.max_new_tokens)
     rows = []
     runs = [(t, s) for t in spec.temperatures for s in (spec.seeds if t > 0 else spec.seeds[:1])]
     for dataset, dataset_batches in batches.items():
@@ -105,23 +106,20 @@ def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> 
             seeds = [s for t, s in runs if t == temperature]
             totals = {m.name: dict(tokens=0, seconds=0.0, stats=[], differing=0, near_ties=0, rows=0)
                       for m in methods}
-            for batch in dataset_batches:
+            for index, batch in enumerate(dataset_batches):
                 prefill = _prefill_seconds(target, batch)
+                order = methods if index % 2 == 0 else methods[::-1]  # no method always first (or last) on a batch
                 for seed in seeds:
-                    plain_rows = None
-                    for method in methods:
+                    rows_of = {}
+                    for method in order:
                         out, seconds = call(method, batch, temperature, seed, spec.max_new_tokens)
-                        new = _new_tokens(out, batch["input_ids"].shape[1], eos_ids)
-                        total = totals[method.name]
-                        total["tokens"] += sum(max(len(row) - 1, 0) for row in new)
-                        total["seconds"] += max(seconds - prefill, 1e-9)
-                        total["rows"] += len(new)
-                        if method.kind == "plain":
-                            plain_rows = new
-                        else:
-                            total["stats"].append(bench.drafters[method.name].last_stats)
-                            if temperature == 0 and plain_rows is not None:  # (outside the timed call)
-                                _count_differing(target, batch, new, plain_rows, spec.dtype, total)
+                        rows_of[method.name] = new = _new_tokens(out, batch["input_ids"].shape[1], eos_ids)
+                        stats = None if method.kind == "plain" else bench.drafters[method.name].last_stats
+                        _add_call(totals[method.name], new, seconds - prefill, stats)
+                    if temperature == 0 and "plain" in rows_of:  # (outside the timed calls)
+                        for name, new in rows_of.items():
+                            if name != "plain":
+                                _count_differing(target, batch, new, rows_of["plain"], spec.dtype, totals[name])
             plain_rate = totals["plain"]["tokens"] / totals["plain"]["seconds"] if "plain" in totals else None
             for method in methods:
                 rows.append({"dataset": dataset, "temperature": temperature_label(temperature), "method": method.name,
@@ -132,6 +130,15 @@ def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> 
     environment = {"device": str(device), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
     return {"settings": {**_settings(plan), "batch_size": batch_size, "skipped_methods": skipped, "timing": timing},
             "environment": environment, "rows": rows}
+
+
+def _add_call(total: dict[str, Any], rows: list[list[int]], decode_seconds: float, stats: Any) -> None:
+    """Add one timed call's new rows (tokens after each row's first) and decode time to a method's ``total``."""
+    total["tokens"] += sum(max(len(row) - 1, 0) for row in rows)
+    total["seconds"] += max(decode_seconds, 1e-9)
+    total["rows"] += len(rows)
+    if stats is not None:
+        total["stats"].append(stats)
 
 
 def _count_differing(target: Any, batch: dict[str, torch.Tensor], rows: list[list[int]], plain_rows: list[list[int]],

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..chat import humaneval_prompt
+from ..chat import PROMPT_FIELDS, humaneval_prompt, record_id, user_turns
 from ..jsonl import iter_jsonl
 
 __all__ = [
@@ -35,8 +35,6 @@ __all__ = [
 
 DATASETS = ("gsm8k", "math500", "humaneval", "mtbench")
 DATA_DIR = Path(__file__).parent / "data"
-PROMPT_FIELDS = ("turns", "prompt", "question", "problem")
-_ID_FIELDS = ("id", "question_id", "task_id", "unique_id", "idx")
 
 BOXED_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -91,9 +89,7 @@ _FORMATS: dict[str, tuple[str, Callable[[dict], list[str]]]] = {
 
 
 def _fmt_generic(rec: dict) -> list[str]:
-    key = _usable_field(rec)
-    value = rec[key]
-    return list(value) if key == "turns" else [value]
+    return user_turns(rec) or []
 
 
 # --------------------------------------------------------------------------- reading and checking
@@ -105,20 +101,6 @@ def _normalise_name(name: str) -> str:
 
 def _looks_like_path(arg: str) -> bool:
     return arg.lower().endswith((".jsonl", ".json")) or os.sep in arg or "/" in arg or arg.startswith(".")
-
-
-def _usable_field(rec: dict) -> str | None:
-    """The first field of PROMPT_FIELDS that holds a usable value, or None."""
-    for key in PROMPT_FIELDS:
-        if key not in rec:
-            continue
-        value = rec[key]
-        if key == "turns":
-            if isinstance(value, list) and value and all(isinstance(t, str) and t.strip() for t in value):
-                return key
-        elif isinstance(value, str) and value.strip():
-            return key
-    return None
 
 
 def _resolve(name_or_path: str | os.PathLike) -> tuple[Path, str | None]:
@@ -166,21 +148,14 @@ def _choose_format(path: Path, known: str | None, first: dict) -> tuple[str, Cal
             return name, fmt, needed
         if known is not None:  # pragma: no cover - shipped files always match
             raise ValueError(f"shipped file {path} lacks the field {needed!r}")
-    key = _usable_field(first)
-    if key is None:
+    if user_turns(first) is None:
         found = ", ".join(sorted(first)) or "none"
         raise ValueError(
-            f"{path}: the first record has no usable prompt field (fields found: {found}); "
-            f"expected one of {', '.join(PROMPT_FIELDS)} ('turns' as a list of strings, the others as a string)"
+            f"{path}: the first record has no usable prompt field (fields found: {found}); expected one of "
+            f"{', '.join(PROMPT_FIELDS)} (the first present is used: 'turns' as a list of strings, 'messages' / "
+            "'conversations' as chat messages, the others as a string)"
         )
-    return path.stem, _fmt_generic, key
-
-
-def _record_id(rec: dict, label: str, index: int) -> str:
-    for key in _ID_FIELDS:
-        if key in rec and rec[key] is not None and not isinstance(rec[key], (dict, list)):
-            return str(rec[key])
-    return f"{label}-{index}"
+    return path.stem, _fmt_generic, ""
 
 
 def _parse(name_or_path) -> tuple[Path, str, list[tuple[int, dict]], Callable[[dict], list[str]], str]:
@@ -189,10 +164,10 @@ def _parse(name_or_path) -> tuple[Path, str, list[tuple[int, dict]], Callable[[d
     label, fmt, needed = _choose_format(path, known, records[0][1])
     for lineno, rec in records:
         if fmt is _fmt_generic:
-            ok = _usable_field(rec) is not None
+            ok = user_turns(rec) is not None
             wanted = f"one of {', '.join(PROMPT_FIELDS)}"
         else:
-            ok = needed in rec and _usable_field({needed: rec[needed]}) is not None
+            ok = needed in rec and user_turns({needed: rec[needed]}) is not None
             wanted = f"the field {needed!r}"
         if not ok:
             raise ValueError(
@@ -223,4 +198,5 @@ def load_prompts(name_or_path: str | os.PathLike, limit: int | None = None) -> l
     _, label, records, fmt, _ = _parse(name_or_path)
     if limit is not None:
         records = records[:limit]
-    return [BenchPrompt(id=_record_id(rec, label, i), dataset=label, turns=fmt(rec)) for i, (_, rec) in enumerate(records)]
+    return [BenchPrompt(id=record_id(rec, f"{label}-{i}"), dataset=label, turns=fmt(rec))
+            for i, (_, rec) in enumerate(records)]

@@ -51,7 +51,7 @@ from ..stats import GenerationStats, last_stats_slot
 from . import batched_cache
 from .batched_drafter import BatchedDrafterForward, batches_drafts
 from .candidate_generator import ReTraceCandidateGenerator
-from .policy import RoundPolicy, resolve_policy
+from .policy import RoundPolicy
 from .proposal import Proposal, RoundInputs, Verdict
 from .target_features import TargetTap, cache_kwargs
 
@@ -112,11 +112,12 @@ def left_padding(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def check_batch(target: Any, input_ids: torch.Tensor, model_kwargs: dict, generation_config: Any,
-                check_prompt: Callable[[Any, torch.Tensor], None], logits_processor: Any = None, streamer: Any = None,
+                check_prompt: Callable[[torch.Tensor], None], logits_processor: Any = None, streamer: Any = None,
                 synced_gpus: bool = False) -> torch.Tensor:
     """Raise a ValueError saying what to do for a batched call the batch loop cannot run exactly, before the target
     runs; return the attention mask (all ones when none was given). Every row is also checked as a prompt of its own
-    by ``check_prompt(target, row_ids)`` (dispatch's ``check_inputs``: ids in the vocabulary, the target's context)."""
+    by ``check_prompt(row_ids)`` (the call's ``check_prompt``, dispatch's ``check_inputs``: ids in the vocabulary, the
+    target's context)."""
     rows = input_ids.shape[0]
     refused = []
     if streamer is not None:
@@ -162,7 +163,7 @@ def check_batch(target: Any, input_ids: torch.Tensor, model_kwargs: dict, genera
     pads = left_padding(attention_mask)
     for row in range(rows):
         try:
-            check_prompt(target, input_ids[row : row + 1, int(pads[row]) :])
+            check_prompt(input_ids[row : row + 1, int(pads[row]) :])
         except ValueError as error:
             raise ValueError(f"Row {row} of the batch: {error}") from None
     return attention_mask
@@ -433,30 +434,29 @@ class BatchedLoop:
         return pooled
 
 
-def batched_assisted_decoding(target: Any, original: Any, args: tuple, kwargs: dict,
-                              check_prompt: Callable[[Any, torch.Tensor], None], decode_plainly: Callable) -> Any:
-    """The batched call in place of transformers' ``_assisted_decoding``: checked before the target runs (each row by
-    ``check_prompt``), decoded by ``decode_plainly(target, original, args, kwargs, policy)`` where the call's policy
-    does not speculate, else by :class:`BatchedLoop`. (Dispatch hands its own two rules in: it imports this module.)"""
+def batched_assisted_decoding(call: Any, original: Any, args: tuple, kwargs: dict) -> Any:
+    """The batched ``call`` (dispatch's :class:`~.dispatch.DrafterCall`) in place of transformers' ``_assisted_decoding``
+    (``original``): checked before the target runs (each row by ``call.check_prompt``), its policy resolved for its
+    batch size (``call.resolve(rows)``), decoded plainly (``call.decode_plainly``) where that policy does not
+    speculate, else by :class:`BatchedLoop`. (Dispatch hands the call in: it imports this module.)"""
 
-    bound = inspect.signature(original).bind(target, *args, **kwargs)
-    arguments = bound.arguments
+    target = call.target
+    arguments = inspect.signature(original).bind(target, *args, **kwargs).arguments
     input_ids, config = arguments["input_ids"], arguments["generation_config"]
     model_kwargs = dict(arguments.get("model_kwargs") or {})
-    drafter = arguments.get("assistant_model")
-    attention_mask = check_batch(target, input_ids, model_kwargs, config, check_prompt,
+    attention_mask = check_batch(target, input_ids, model_kwargs, config, call.check_prompt,
                                  arguments.get("logits_processor"), arguments.get("streamer"),
                                  bool(arguments.get("synced_gpus")))
-    policy = resolve_policy(drafter, target, config, rows=input_ids.shape[0])
+    policy = call.resolve(rows=input_ids.shape[0])
     if not policy.speculate:
-        return decode_plainly(target, original, args, kwargs, policy)
-    loop = BatchedLoop(target, drafter, input_ids, attention_mask, config, arguments.get("logits_processor"),
+        return call.decode_plainly(original, args, kwargs)
+    loop = BatchedLoop(target, call.drafter, input_ids, attention_mask, config, arguments.get("logits_processor"),
                        arguments.get("stopping_criteria"), policy)
     try:
         sequences = loop.run()
     finally:
         loop.close()
-    last_stats_slot(drafter).set(loop.stats())
+    last_stats_slot(call.drafter).set(loop.stats())
     if not config.return_dict_in_generate:
         return sequences
     from transformers.generation.utils import GenerateDecoderOnlyOutput

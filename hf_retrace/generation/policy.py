@@ -24,9 +24,8 @@ from typing import Any
 
 from ..configuration import PROPOSAL_MODES, RETRACE_ABLATIONS
 
-__all__ = ["FIELD_RULES", "RoundGuard", "RoundPolicy", "check_view", "confident_prefix", "field_problem",
-           "observe_call", "resolve_policy", "set_call_observer", "set_policy_resolver", "shipped_policy",
-           "verify_cost", "view_policy"]
+__all__ = ["FIELD_RULES", "CallObserver", "PolicyResolver", "RoundGuard", "RoundPolicy", "check_view",
+           "confident_prefix", "field_problem", "resolve_policy", "shipped_policy", "verify_cost", "view_policy"]
 
 
 LOOKUP_COST = 0.01  # a lookup round's own work (the n-gram index), in one-token target steps
@@ -305,44 +304,29 @@ def shipped_policy(config: Any) -> RoundPolicy:
 
 
 # --- which policy a call gets ---------------------------------------------------------------------------------------
-PolicyResolver = Callable[..., RoundPolicy]  # (drafter, target, generation_config[, rows=B for a batch])
-_RESOLVER: list[PolicyResolver | None] = [None]
-
-
-def set_policy_resolver(resolver: PolicyResolver | None) -> None:
-    """Install the function that picks a call's policy when none is given (``import hf_retrace`` installs
-    :func:`hf_retrace.tuning.auto.auto_policy`; without one, the drafter's shipped policy)."""
-    _RESOLVER[0] = resolver
-
-
+# the function that picks a call's policy when its drafter view gives none: (drafter, target, generation_config[,
+# rows=B for a batch]); ``import hf_retrace`` hands :func:`hf_retrace.tuning.auto.auto_policy` to the dispatch
+PolicyResolver = Callable[..., RoundPolicy]
+# the function told, after each drafted call, its policy and its generators' stats (``import hf_retrace`` hands the
+# dispatch :func:`hf_retrace.tuning.auto.note_realized`: a tuned prediction checked against real calls)
 CallObserver = Callable[[RoundPolicy, Sequence[Any]], None]
-_OBSERVER: list[CallObserver | None] = [None]
 
 
-def set_call_observer(observer: CallObserver | None) -> None:
-    """Install the function told, after each drafted call, its policy and its generators' stats (``import hf_retrace``
-    installs :func:`hf_retrace.tuning.auto.note_realized`: a tuned prediction checked against real calls)."""
-    _OBSERVER[0] = observer
+def resolve_policy(drafter: Any, target: Any, generation_config: Any, rows: int = 1,
+                   resolver: PolicyResolver | None = None) -> RoundPolicy:
+    """The policy of one call, first match wins: the drafter view's own (``drafter.with_policy(policy)``); else
+    ``resolver``'s (the dispatch's: ``HF_RETRACE_POLICY``, then the policy tuned for this machine,
+    :func:`hf_retrace.tuning.auto.auto_policy`; a batch of ``rows`` > 1 rows is passed to it as ``rows=``, as each batch
+    size is tuned apart); else (no resolver) the drafter's shipped one. Changes given as
+    ``drafter.with_policy(**changes)`` apply on top (:func:`view_policy`: a drafting knob drafts even over a plain
+    policy).
 
-
-def observe_call(policy: RoundPolicy, stats: Sequence[Any]) -> None:
-    """Tell the installed observer what one drafted call with ``policy`` did (``stats``: its GenerationStats)."""
-    observer = _OBSERVER[0]
-    if observer is not None and stats:
-        observer(policy, stats)
-
-
-def resolve_policy(drafter: Any, target: Any, generation_config: Any, rows: int = 1) -> RoundPolicy:
-    """The policy of one call, first match wins: the drafter view's own (``drafter.with_policy(policy)``); else the
-    installed resolver's (``HF_RETRACE_POLICY``, then the policy tuned for this machine: :mod:`hf_retrace.tuning.auto`;
-    a batch of ``rows`` > 1 rows is passed to it as ``rows=``, as each batch size is tuned apart); else the drafter's
-    shipped one. Changes given as ``drafter.with_policy(**changes)`` apply on top
-    (:func:`view_policy`: a drafting knob drafts even over a plain policy)."""
+    Example: ``resolve_policy(drafter, target, target.generation_config, resolver=auto_policy)``.
+    """
     policy = getattr(drafter, "round_policy", None)
     changes = getattr(drafter, "policy_changes", None) or {}
     check_view(policy, changes)  # a bad view is refused before tuning and before any target forward
     if policy is None:
-        resolver = _RESOLVER[0]
         if resolver is None:
             policy = shipped_policy(drafter.config)
         else:

@@ -129,6 +129,10 @@ UNSETTLED = ("this machine's timings stayed too noisy to decide on ({why}); the 
              "measured again in this process after {retry:.0f} s (at most {retries} times), and by the next process")
 RETRY_SECONDS = 60.0  # an unsettled tuning is tried again by the first call this long after it (a busy moment passes)
 RETRIES = 2  # per process
+PROBE_AFTER = 3  # plain calls (per process and temperature) before the first that drafts to check a plain choice
+PROBE_EVERY = 16  # plain calls between two such checks
+PROBES = 2  # checks per process; a plain choice is measured again where this many all realize 1 + PLAIN_MARGIN
+PROBE_TOKENS = 32  # a check counts once its drafting rounds committed this many tokens (a shorter call: the next)
 
 
 def _unsettled_note(costs: MachineCosts) -> str:
@@ -178,9 +182,11 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
 def _check_batch(target: Any, drafter: Any, records: RoundRecords, choice: dict[str, Any], result: dict[str, Any],
                  rows: int) -> str:
     """Each drafting choice for a batch of ``rows``, checked by a real A/B on the recorded prompts
-    (:func:`.verify.batch_check`): plain batched decoding where every pair realizes under 1 + ``PLAIN_MARGIN``,
-    the choice where every pair clears it; pairs that disagree keep the choice for this process, uncached (returns
-    why). Changes ``choice`` and records the pairs in ``result["batch_check"]``."""
+    (:func:`.verify.batch_check`): the choice where every pair clears 1 + ``PLAIN_MARGIN``; where every pair is under
+    it, the drafter's shipped constants (a narrower round: the replay's choice is often the widest, which a batch pays
+    for in every row) get their own A/B, and plain batched decoding stands only where that one is under too; pairs
+    that disagree keep the drafting policy for this process, uncached (returns why). Changes ``choice`` and records
+    the pairs in ``result["batch_check"]``."""
     from .verify import batch_check
 
     note = ""
@@ -190,8 +196,19 @@ def _check_batch(target: Any, drafter: Any, records: RoundRecords, choice: dict[
             continue
         sampling = {"do_sample": False} if name == "greedy" else {"do_sample": True, "temperature": records.temperature}
         ratios = batch_check(target, drafter, policy, answers, rows, sampling)
-        result.setdefault("batch_check", {})[name] = [round(r, 3) for r in ratios]
-        said = ", ".join(f"{r:.2f}x" for r in ratios)
+        checked = result.setdefault("batch_check", {})
+        checked[name] = [round(r, 3) for r in ratios]
+        if all(r < 1 + PLAIN_MARGIN for r in ratios):
+            shipped = policy.replace(**_shipped_knobs(drafter, policy), source="shipped", expected_speedup=None)
+            if shipped != policy:
+                ratios_shipped = batch_check(target, drafter, shipped, answers, rows, sampling)
+                checked[f"{name}_shipped"] = [round(r, 3) for r in ratios_shipped]
+                if all(r >= 1 + PLAIN_MARGIN for r in ratios_shipped):
+                    choice[name] = shipped.replace(reason=(
+                        f"at batch {rows} the replay's choice realized {_said(ratios)} in a real A/B, the drafter's "
+                        f"shipped constants {_said(ratios_shipped)}"))
+                    continue
+        said = _said(ratios)
         if all(r < 1 + PLAIN_MARGIN for r in ratios):
             choice[name] = policy.replace(speculate=False, expected_speedup=None, reason=(
                 f"at batch {rows} a real A/B on the recorded prompts realized {said} against plain batched decoding "
@@ -203,6 +220,18 @@ def _check_batch(target: Any, drafter: Any, records: RoundRecords, choice: dict[
             note = (f"a real A/B at batch {rows} did not agree with itself ({said}); the choice is used for this "
                     "process, and the next one measures again")
     return note
+
+
+def _said(ratios: list[float]) -> str:
+    return ", ".join(f"{r:.2f}x" for r in ratios)
+
+
+def _shipped_knobs(drafter: Any, policy: RoundPolicy) -> dict[str, Any]:
+    """The round knobs of the drafter's shipped constants (cut, lookup), to put on ``policy`` (its armed costs and
+    proposal mode kept)."""
+    base = shipped_policy(drafter.config)
+    return {"confidence_cut": base.confidence_cut, "lookup": base.lookup, "lookup_start": base.lookup_start,
+            "lookup_cap": base.lookup_cap}
 
 
 def _choose(records: RoundRecords | None, costs: MachineCosts, base: RoundPolicy) -> dict[str, Any]:
@@ -242,6 +271,12 @@ def _read_cache(path: Path, key: dict[str, Any]) -> tuple[dict[str, RoundPolicy]
         if not policy.speculate and data.get("plain_measurements", 1) < 2:
             return None, f"the cached {_LABELS[name]} choice of plain decoding rests on one measurement; measuring " \
                          "again", False
+        probes = (data.get("probes") or {}).get(name)
+        if not policy.speculate and _probes_found_drafting(probes) and data.get("revisits", 0) < 1:
+            said = ", ".join(f"{figure:.2f}" for figure in probes)
+            return None, (f"the cached {_LABELS[name]} choice of plain decoding was checked by {len(probes)} calls "
+                          f"that drafted and realized {said} tokens per step-cost (plain decoding: 1); measuring "
+                          "again"), True
         if not (isinstance(realized, dict) and policy.expected_speedup):
             continue
         figure = realized.get("tokens_per_cost")
@@ -273,8 +308,9 @@ def _policies(result: dict[str, Any], where: str = "round policy", digest: str |
         return policies
     step = (result.get("costs") or {}).get("step_seconds")  # the unit the first calls' figure is counted in
     rows = (result.get("costs") or {}).get("rows", 1)
+    revisits = result.get("revisits", 0)  # measured again once already: a plain choice is not checked again
     return {name: policy.replace(extra={"cache_digest": digest, "temperature": name, "step_seconds": step,
-                                        "rows": rows})
+                                        "rows": rows, "revisits": revisits})
             for name, policy in policies.items()}
 
 
@@ -285,6 +321,7 @@ def tune_and_cache(target: Any, drafter: Any, revisits: int = 0, rows: int = 1) 
     digest = _key_digest(key)
     path = policy_cache_dir() / f"{digest}.json"
     result = tune(target, drafter, rows=rows)
+    result["revisits"] = revisits
     result["cached"], result["cache_note"] = False, result.get("note", "")
     if result.get("cacheable", True):
         plain = sum(1 for name in NAMES if not result["policies"][name].get("speculate", True))
@@ -374,6 +411,9 @@ def note_realized(policy: RoundPolicy, all_stats: Any) -> None:
     digest, name = policy.extra.get("cache_digest"), policy.extra.get("temperature")
     if digest is None or name is None or not policy.speculate or policy.extra.get("rows", 1) != 1:
         return  # (a batch's figure is counted per batch step: batch-1 calls check the prediction)
+    if policy.extra.get("probe"):
+        _note_probe(policy, digest, name, all_stats)
+        return
     with _LOCK:
         memo = _MEMO.get(digest)
         if memo is None or memo[name] != policy:  # a view changed it: not the cached choice's figure
@@ -433,10 +473,71 @@ def env_policy(drafter: Any, do_sample: bool = False) -> RoundPolicy | None:
 
 
 def auto_policy(drafter: Any, target: Any, generation_config: Any, rows: int = 1) -> RoundPolicy:
-    """The resolver ``import hf_retrace`` installs (:func:`~hf_retrace.generation.policy.set_policy_resolver`);
+    """The resolver ``import hf_retrace`` hands the dispatch (:func:`~hf_retrace.generation.dispatch.install`);
     ``rows``: the call's batch size (each batch size is tuned apart)."""
     do_sample = bool(getattr(generation_config, "do_sample", False))
     policy = env_policy(drafter, do_sample)
     if policy is not None:
         return policy
-    return tuned_policies(target, drafter, rows)["sampled" if do_sample else "greedy"]
+    return _probe_or(tuned_policies(target, drafter, rows)["sampled" if do_sample else "greedy"])
+
+
+# --- a plain choice checked by real calls that draft (issue 41, item 3) -----------------------------------------------
+_PROBES: dict[tuple[str, str], dict[str, Any]] = {}  # (digest, temperature) -> plain calls seen, next check, figures
+
+
+def _probe_or(policy: RoundPolicy) -> RoundPolicy:
+    """``policy``, or, where it is this machine's cached choice of plain decoding at batch size 1 and a check is due
+    (the call after :data:`PROBE_AFTER` plain ones, then every :data:`PROBE_EVERY`, :data:`PROBES` per process), the
+    drafting policy it turned down (its knobs, armed: the guard backs off where drafting loses): the call drafts,
+    losslessly, and its realized tokens per step-cost say whether plain was right (:func:`note_realized`). A plain
+    choice made in a busy moment, or on a tuner's wrong prediction, so corrects itself; a right one costs one call in
+    :data:`PROBE_EVERY` drafting at a small loss, twice per process at most."""
+    digest, name = policy.extra.get("cache_digest"), policy.extra.get("temperature")
+    if policy.speculate or digest is None or policy.extra.get("rows", 1) != 1 or policy.extra.get("revisits", 0):
+        return policy
+    with _LOCK:
+        state = _PROBES.setdefault((digest, name), {"calls": 0, "next": PROBE_AFTER + 1, "figures": []})
+        state["calls"] += 1
+        if state.get("done") or state["calls"] < state["next"]:
+            return policy
+        state["next"] = state["calls"] + PROBE_EVERY
+    return policy.replace(speculate=True, source="tuned, checking plain", extra={**policy.extra, "probe": True},
+                          reason="a call that drafts to check this machine's cached choice of plain decoding ("
+                                 + policy.reason + ")")
+
+
+def _probes_found_drafting(figures: Any) -> bool:
+    return (isinstance(figures, list) and len(figures) >= PROBES
+            and all(isinstance(f, (int, float)) and f >= 1 + PLAIN_MARGIN for f in figures))
+
+
+def _note_probe(policy: RoundPolicy, digest: str, name: str, all_stats: Any) -> None:
+    """Count a checking call's realized tokens per step-cost; a figure under 1 + PLAIN_MARGIN confirms plain for this
+    process (no more checks), :data:`PROBES` figures over it are written to the cache entry, whose next read then
+    measures again (at once: the next call in this process tunes)."""
+    step = policy.extra.get("step_seconds")
+    if not isinstance(step, (int, float)) or step <= 0:
+        return
+    figures = [realized_figure(stats, step) for stats in all_stats]
+    tokens, cost = sum(f[0] for f in figures), sum(f[1] for f in figures)
+    with _LOCK:
+        state = _PROBES.get((digest, name))
+        if state is None or state.get("done"):
+            return
+        if tokens < PROBE_TOKENS or cost <= 0:  # too short to tell: the next plain call checks instead
+            state["next"] = state["calls"] + 1
+            return
+        state["figures"].append(round(tokens / cost, 3))
+        if state["figures"][-1] < 1 + PLAIN_MARGIN or len(state["figures"]) >= PROBES:
+            state["done"] = True
+        if not _probes_found_drafting(state["figures"]):
+            return
+        path = policy_cache_dir() / f"{digest}.json"
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            data.setdefault("probes", {})[name] = state["figures"]
+            write_atomically(path, data)
+        except (OSError, ValueError, AttributeError):
+            return  # the entry went away or cannot be written: the next process tunes or checks again
+        _MEMO.pop(digest, None)  # the next call reads the entry, which now says: measure again

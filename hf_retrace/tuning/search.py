@@ -67,10 +67,11 @@ def search_policy(answers: Sequence[Any], costs: MachineCosts, base: RoundPolicy
     return best, table
 
 
-def _plain(reason: str, base: RoundPolicy, costs: MachineCosts) -> RoundPolicy:
-    """Plain decoding, keeping ``base`` armed with the machine's costs: a view that asks for drafting on top of it
-    drafts with the guard on (docs/round-policy.md, precedence)."""
-    return costs.arm(base).replace(speculate=False, reason=reason, source="tuned")
+def _plain(reason: str, best: RoundPolicy) -> RoundPolicy:
+    """Plain decoding that keeps the knobs of the best replayed drafting policy ``best`` (armed with the machine's
+    costs): a view that asks for drafting on top of it, and the calls that check a plain choice by drafting
+    (:func:`~hf_retrace.tuning.auto.auto_policy`), draft with them, the guard on (docs/round-policy.md, precedence)."""
+    return best.replace(speculate=False, reason=reason, source="tuned", expected_speedup=None)
 
 
 def runner_up(table: Sequence[dict[str, Any]], chosen: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -101,7 +102,7 @@ def choose_policies(records: RoundRecords, costs: MachineCosts, base: RoundPolic
         speedup = best["tokens_per_cost"]
         if speedup < 1 + PLAIN_MARGIN:
             policy = _plain(f"the best replayed policy commits {speedup:.2f} tokens per step-cost on this machine, "
-                            f"under plain decoding's 1 + {PLAIN_MARGIN:g}", base, costs)
+                            f"under plain decoding's 1 + {PLAIN_MARGIN:g}", policy)
         else:
             policy = policy.replace(source="tuned", expected_speedup=round(speedup, 3))
         result[name] = policy

@@ -15,17 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...chat import prompt_token_ids
+from ...chat import ID_FIELDS, PROMPT_FIELDS, prompt_field, prompt_token_ids, record_id, user_turns
 from ...jsonl import iter_jsonl
-
-PROMPT_FIELDS: tuple[str, ...] = ("prompt", "question", "problem", "turns", "messages", "conversations")
-"""Fields a prompt record may carry, in order of preference (``turns``/``messages``/``conversations``: first user
-turn; ``turns`` with ``answers``: the turn after the last answer, those earlier turns and answers as its history)."""
 
 ANSWERS_FIELD = "answers"
 """With ``turns`` (user turns), the assistant's earlier answers, fed back between turns as MT-Bench does."""
 
-ID_FIELDS: tuple[str, ...] = ("id", "question_id", "task_id", "unique_id")
+__all__ = ["ANSWERS_FIELD", "ID_FIELDS", "PROMPT_FIELDS", "PromptRecord", "read_prompts", "records_token_ids",
+           "validate_prompt_file"]  # the record schema itself (PROMPT_FIELDS, ID_FIELDS) is hf_retrace.chat's
 
 
 @dataclass(frozen=True)
@@ -41,29 +38,10 @@ class PromptRecord:
     history: tuple[str, ...] = ()
 
 
-def _first_user_turn(turns: Any) -> str | None:
-    """The first user message of ``turns`` (a list of strings, of ``{role, content}`` or of ``{from, value}``)."""
-    if not isinstance(turns, (list, tuple)) or not turns:
-        return None
-    for turn in turns:
-        if isinstance(turn, str):
-            return turn
-        if isinstance(turn, Mapping):
-            role = turn.get("role", turn.get("from"))
-            if role in ("user", "human"):
-                text = turn.get("content", turn.get("value"))
-                return text if isinstance(text, str) else None
-    return None
-
-
 def _prompt_text(record: Mapping[str, Any]) -> str | None:
-    """The prompt text of one record, from the first field of :data:`PROMPT_FIELDS` it carries."""
-    for field in PROMPT_FIELDS:
-        if field not in record:
-            continue
-        value = record[field]
-        return value if isinstance(value, str) else _first_user_turn(value)
-    return None
+    """The prompt text of one record: its first user turn (:func:`~hf_retrace.chat.user_turns`)."""
+    turns = user_turns(record)
+    return turns[0] if turns else None
 
 
 def _answered_turns(record: Mapping[str, Any], where: str) -> tuple[str, tuple[str, ...]] | None:
@@ -84,13 +62,6 @@ def _answered_turns(record: Mapping[str, Any], where: str) -> tuple[str, tuple[s
 def records_token_ids(tokenizer: Any, records: Sequence[PromptRecord]) -> list[list[int]]:
     """The chat prompt's token ids of each record, its earlier turns (``history``) rendered before it."""
     return prompt_token_ids(tokenizer, [record.prompt for record in records], [record.history for record in records])
-
-
-def _record_id(record: Mapping[str, Any], fallback: str) -> str:
-    for field in ID_FIELDS:
-        if record.get(field) is not None:
-            return str(record[field])
-    return fallback
 
 
 def _missing_fields_error(where: str, records: Sequence[Mapping[str, Any]]) -> ValueError:
@@ -118,9 +89,8 @@ def validate_prompt_file(path: str | os.PathLike[str], num_records: int = 8) -> 
     if not head:
         raise ValueError(f"{path}: the file holds no records; expected JSONL with one of {list(PROMPT_FIELDS)}.")
     for record in head:
-        for field in PROMPT_FIELDS:
-            if field in record and _prompt_text(record) is not None:
-                return field
+        if _prompt_text(record) is not None:
+            return prompt_field(record)
     raise _missing_fields_error(f"{path} (first {len(head)} records)", head)
 
 
@@ -150,8 +120,8 @@ def read_prompts(
     The prompt comes from the first field of :data:`PROMPT_FIELDS` present (for multi-turn records, the first user
     turn). A record with ``turns`` (user turns) and ``answers`` (the assistant's answers to the first of them) asks
     for the turn after the last answer, with the turns and answers before it as ``history`` (MT-Bench's second
-    turn: ``{"turns": [q1, q2], "answers": [a1]}``). The id comes from ``id``/``question_id``/``task_id``/
-    ``unique_id``, else ``<file stem>-<line number>`` (or the row index). ``suffix`` is appended to every prompt
+    turn: ``{"turns": [q1, q2], "answers": [a1]}``). The id comes from the first of
+    :data:`~hf_retrace.chat.ID_FIELDS` present, else ``<file stem>-<line number>`` (or the row index). ``suffix`` is appended to every prompt
     (e.g. the DFlash GSM8K/MATH instruction).
 
     Example::
@@ -164,17 +134,17 @@ def read_prompts(
         if limit is not None and len(prompts) >= limit:
             break
         text = _prompt_text(record)
-        record_id = _record_id(record, fallback_id)
+        rid = record_id(record, fallback_id)
         if text is None:
-            raise _missing_fields_error(f"prompt record {record_id!r}", [record])
-        if record_id in seen:
-            raise ValueError(f"Duplicate prompt id {record_id!r}: ids must be unique for resumable generation.")
-        seen.add(record_id)
-        answered = _answered_turns(record, f"prompt record {record_id!r}")
+            raise _missing_fields_error(f"prompt record {rid!r}", [record])
+        if rid in seen:
+            raise ValueError(f"Duplicate prompt id {rid!r}: ids must be unique for resumable generation.")
+        seen.add(rid)
+        answered = _answered_turns(record, f"prompt record {rid!r}")
         if answered is not None:
             text, history = answered
-            prompts.append(PromptRecord(id=record_id, prompt=text + suffix, history=history))
+            prompts.append(PromptRecord(id=rid, prompt=text + suffix, history=history))
             continue
-        prompts.append(PromptRecord(id=record_id, prompt=text + suffix))
+        prompts.append(PromptRecord(id=rid, prompt=text + suffix))
     return prompts
 

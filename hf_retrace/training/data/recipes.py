@@ -23,12 +23,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...chat import ID_FIELDS, record_id
 from ...jsonl import iter_jsonl
 from .chat_template import prompt_token_ids
 from .code_prompts import Exclusions, benchmark_exclusions, collect_code_prompts, write_code_prompts
 from .code_requests import code_request_kind
 from .conversations import extract_turns, read_sharegpt, read_turns, second_turn_records, write_jsonl
-from .prompts import ID_FIELDS, read_prompts
+from .prompts import read_prompts
 from .response_shards import read_answered
 
 
@@ -150,10 +151,10 @@ def add_mix_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _record_id(record: dict[str, Any], where: str) -> str:
-    for field in ID_FIELDS:
-        if record.get(field) is not None:
-            return str(record[field])
-    raise _usage_error(f"{where}: a record without {list(ID_FIELDS)}; mix needs ids (they are what is skipped).")
+    found = record_id(record)
+    if found is None:
+        raise _usage_error(f"{where}: a record without {list(ID_FIELDS)}; mix needs ids (they are what is skipped).")
+    return found
 
 
 def _prompt_length(tokenizer: Any, record: dict[str, Any]) -> int:
