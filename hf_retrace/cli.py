@@ -18,7 +18,7 @@ from .loading import (  # noqa: F401
 def cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
-    from .generation.dispatch import check_context
+    from .generation.checks import check_context
     from .side_by_side import chat_input_ids, compare
 
     torch.manual_seed(args.seed)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_retrace import defaults
-from hf_retrace.generation.dispatch import check_target
+from hf_retrace.generation.checks import check_target
 from hf_retrace.generation.policy import shipped_policy
 from hf_retrace.side_by_side import chat_input_ids
 

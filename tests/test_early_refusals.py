@@ -15,7 +15,7 @@ from helpers import tiny_drafter, tiny_target, word_level_tokenizer
 
 import hf_retrace  # noqa: F401  (installs the generate hook)
 from hf_retrace import ReTraceDrafter
-from hf_retrace.generation.dispatch import check_context
+from hf_retrace.generation.checks import check_context
 from hf_retrace.stats import GenerationStats
 
 CONTEXT = 32

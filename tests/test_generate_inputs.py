@@ -1,7 +1,7 @@
 """Every input of a ``generate`` call with a drafter is lossless or refused in words before any work (issue 42).
 
 Prompts given as embeddings, empty and malformed prompts, ids outside the vocabulary: refused by
-``dispatch.check_inputs`` before the target's first forward and before the round policy is resolved (first-use tuning
+``checks.check_inputs`` before the target's first forward and before the round policy is resolved (first-use tuning
 measures the machine for seconds; no refusal needs it). Embeddings with their ids, and ``output_attentions``, give
 what plain ``generate`` gives (float64 tiny targets).
 """

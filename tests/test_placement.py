@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import LogitsProcessorList
 
 import hf_retrace  # noqa: F401  (the generate hook)
-from hf_retrace.generation import dispatch, placement
+from hf_retrace.generation import checks, placement
 from hf_retrace.generation.candidate_generator import ReTraceCandidateGenerator
 from hf_retrace.generation.drafter_source import DraftChooser
 from hf_retrace.generation.policy import RoundPolicy
@@ -82,8 +82,8 @@ def test_a_drafter_already_there_is_left_alone(target, caplog):
 
 def test_placement_runs_in_the_validation_before_the_target(target, prompt, monkeypatch):
     events = []
-    place = dispatch.place_drafter
-    monkeypatch.setattr(dispatch, "place_drafter", lambda d, t: events.append("place") or place(d, t))
+    place = checks.place_drafter
+    monkeypatch.setattr(checks, "place_drafter", lambda d, t: events.append("place") or place(d, t))
     handle = target.register_forward_pre_hook(lambda *_: events.append("target"))
     try:
         _generate(target, prompt, tiny_drafter(target))

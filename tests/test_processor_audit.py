@@ -225,14 +225,14 @@ def test_stateful_processor_is_refused(name, target, bases, count_forwards):
 @pytest.mark.parametrize("name", [n for n in NAMES if INSTALLED[n].verdict == REFUSED])
 def test_refused_processor_would_change_the_output(name, target, bases, use_policy, monkeypatch):
     """Why the refusal: let the call through, and the output departs from plain generate (or the call fails)."""
-    from hf_retrace.generation import dispatch
+    from hf_retrace.generation import checks
 
     entry = INSTALLED[name]
     prompt = _prompt(entry.prompt_length)
     base = bases[entry.prompt_length]
     settings = dict(max_new_tokens=NEW, do_sample=False, **{**entry.context(base), **entry.settings(base)})
     plain = target.generate(prompt, **settings)
-    monkeypatch.setattr(dispatch, "_refusals", lambda generation_config: [])
+    monkeypatch.setattr(checks, "_refusals", lambda generation_config: [])
     use_policy(ProposalPolicy(plain, "partial", VOCAB, seed=3))
     try:
         out = target.generate(prompt, assistant_model=tiny_drafter(target, block_size=5), **settings)

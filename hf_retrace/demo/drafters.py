@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..generation.dispatch import check_target
+from ..generation.checks import check_target
 from .limits import METHODS, DemoError
 
 

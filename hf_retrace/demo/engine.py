@@ -12,7 +12,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..generation.dispatch import check_context, check_target
+from ..generation.checks import check_context, check_target
 from ..sampling import sampling_kwargs
 from ..side_by_side import chat_input_ids
 from .drafters import DrafterFolders, DrafterViews
@@ -103,7 +103,7 @@ class DemoEngine:
         return ids
 
     def _check_context(self, input_ids: torch.Tensor, max_new_tokens: int) -> None:
-        try:  # the library's rule (dispatch.check_context); the page also counts the new tokens
+        try:  # the library's rule (checks.check_context); the page also counts the new tokens
             check_context(self.target, input_ids.shape[1], max_new_tokens)
         except ValueError as error:
             raise DemoError(str(error)) from None

@@ -116,7 +116,7 @@ def check_batch(target: Any, input_ids: torch.Tensor, model_kwargs: dict, genera
                 synced_gpus: bool = False) -> torch.Tensor:
     """Raise a ValueError saying what to do for a batched call the batch loop cannot run exactly, before the target
     runs; return the attention mask (all ones when none was given). Every row is also checked as a prompt of its own
-    by ``check_prompt(row_ids)`` (the call's ``check_prompt``, dispatch's ``check_inputs``: ids in the vocabulary, the
+    by ``check_prompt(row_ids)`` (the call's ``check_prompt``, ``checks.check_inputs``: ids in the vocabulary, the
     target's context)."""
     rows = input_ids.shape[0]
     refused = []
