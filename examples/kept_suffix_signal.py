@@ -28,6 +28,8 @@ another).
     python examples/kept_suffix_signal.py --drafter hf_retrace/default_drafter \\
         --data ~/.cache/hf_retrace_runs/tok-heldout --start 0 --sequences 48 --thresholds 0.2 0.65 \\
         --markdown OUT.md --probe-cache heldout.pt
+    python examples/kept_suffix_signal.py --drafter hf_retrace/default_drafter \\
+        --records hf_retrace/default_drafter --start 0 --sequences 48     # its 48 recorded prompts, no data needed
 """
 
 from __future__ import annotations
@@ -348,6 +350,19 @@ def bound_table(bound: dict) -> list[str]:
     return lines
 
 
+def records_as_sequences(folder_or_file: str) -> list[dict[str, torch.Tensor]]:
+    """The greedy answers of a drafter's recorded rounds as training-style sequences: the prompt (no loss) and the
+    target's own greedy tokens after it (recorded through a lossless round: the target's answer, up to bf16
+    near-ties)."""
+    from hf_retrace.tuning.records import RoundRecords
+
+    sequences = []
+    for answer in RoundRecords.load(folder_or_file).greedy:
+        tokens = torch.tensor(answer.tokens, dtype=torch.long)
+        sequences.append({"input_ids": tokens, "loss_mask": torch.arange(len(tokens)) >= answer.start})
+    return sequences
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import hf_retrace
     from hf_retrace.loading import load_target
@@ -356,7 +371,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", required=True)
-    parser.add_argument("--data", required=True, help="tokenized folder (hf-retrace data tokenize)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--data", help="tokenized folder (hf-retrace data tokenize)")
+    source.add_argument("--records", help="a drafter folder (or its round_records.json.gz): the prompts its rounds "
+                        "were recorded on, which its training left out, each with the target's greedy answer there")
     parser.add_argument("--target", default=None)
     parser.add_argument("--start", type=int, default=4000, help="first sequence (pick ones the drafter never trained on)")
     parser.add_argument("--sequences", type=int, default=48)
@@ -370,10 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
-    data = TokenizedDataset(args.data)
+    source = args.data or args.records
+    data = records_as_sequences(args.records) if args.records else TokenizedDataset(args.data)
     if args.start < 0 or args.start + args.sequences > len(data):
         sys.exit(f"--start {args.start} --sequences {args.sequences} runs past the {len(data)} sequences of "
-                 f"{args.data}: lower one of them.")
+                 f"{source}: lower one of them.")
     target, _ = load_target(args.target, "fp32")
     drafter = hf_retrace.ReTraceDrafter.from_pretrained(args.drafter, dtype=torch.float32)
     cuts = args.thresholds if args.thresholds is not None else [drafter.config.draft_confidence_threshold or 0.0]
@@ -386,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     began = time.time()
     for index in range(args.start, args.start + args.sequences):
         measure_sequence(objective, collate_sequences([data[index]]), thresholds, counts, bound, negative, probe_rows)
-    lines = [f"Drafter `{args.drafter}`, sequences {args.start}..{args.start + args.sequences - 1} of `{args.data}`, "
+    lines = [f"Drafter `{args.drafter}`, sequences {args.start}..{args.start + args.sequences - 1} of `{source}`, "
              f"{args.num_anchors} anchors each (seed {args.seed}), fp32, {time.time() - began:.0f} s. r = slot of the "
              "first rejection; a kept token d_j is compared with the committed token at position s+j+shift; t = the "
              "target's own token read at the kept position (after the wrong prefix).", ""]
@@ -419,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.markdown, "w") as f:
             f.write("# ReTrace's bound: what a kept rejected suffix knows\n\n" + "\n".join(lines))
     if probe_rows is not None:
-        torch.save({"drafter": args.drafter, "data": args.data, "start": args.start, "sequences": args.sequences,
+        torch.save({"drafter": args.drafter, "data": source, "start": args.start, "sequences": args.sequences,
                     "rows": {mode: {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
                              for mode, rows in probe_rows.items() if rows}}, args.probe_cache)
     return 0

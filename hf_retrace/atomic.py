@@ -1,22 +1,32 @@
-"""Write a file whole or not at all: through a temporary sibling renamed over it, so a reader (or a resume after a
-crash) never sees half a file. One rule for every writer of the package.
+"""Write a file or a folder whole or not at all: through a temporary sibling renamed over it, so a reader (or a resume
+after a crash) never sees half of it. One rule for every writer of the package.
 
 Example::
 
     with atomic_path(out / "manifest.json") as temporary:
         temporary.write_text(text)          # renamed over manifest.json when the block ends without an error
     write_text_atomically(out / "ids.json", "[1, 2]")
+    with atomic_folder(out / "step-100") as temporary:
+        model.save_pretrained(temporary)    # renamed to step-100 (replacing an older one) when the block ends
+    temporary_folders(out / "step-100")     # what a killed writer left: out/.step-100.tmp-*
 """
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "write_text_atomically"]
+__all__ = ["atomic_folder", "atomic_path", "temporary_folders", "write_text_atomically"]
+
+
+def _writer_tag() -> str:
+    """Unique per process and thread: concurrent writers never share a temporary name."""
+    return f"{os.getpid()}-{threading.get_ident()}"
 
 
 @contextmanager
@@ -26,7 +36,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     The name is unique per process and thread (concurrent writers never share one) and keeps ``path``'s suffix
     (``np.save`` adds ``.npy`` to a name without it)."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.tmp{path.suffix}")
+    temporary = path.with_name(f".{path.name}.{_writer_tag()}.tmp{path.suffix}")
     try:
         yield temporary
         os.replace(temporary, path)
@@ -38,3 +48,54 @@ def write_text_atomically(path: str | os.PathLike[str], text: str) -> None:
     """Write ``text`` (UTF-8) to ``path`` whole or not at all."""
     with atomic_path(path) as temporary:
         temporary.write_text(text, encoding="utf-8")
+
+
+def _folder_prefix(path: Path) -> str:
+    return f".{path.name}.tmp-"
+
+
+@contextmanager
+def atomic_folder(path: str | os.PathLike[str]) -> Iterator[Path]:
+    """A fresh, empty temporary sibling folder of ``path`` to fill, renamed to ``path`` when the block ends; removed
+    (with what was written into it) if the block raises.
+
+    An existing ``path`` is replaced whole: moved aside, the new folder renamed in, the old one removed (a kill between
+    the two renames leaves no ``path``, never a mix of both). The parent folder must exist; writers of one ``path``
+    must take turns (a lock, or one writing process): two finishing at once may fail. Temporary names (the old
+    folder's aside too) start with ``.{name}.tmp-`` and are unique per process and thread: :func:`temporary_folders`
+    finds what a killed writer left. Flushing the files to disk before the rename (against a power loss) is the
+    caller's choice."""
+    path = Path(path)
+    temporary = path.with_name(_folder_prefix(path) + _writer_tag())
+    shutil.rmtree(temporary, ignore_errors=True)  # this name is ours: only a killed process that had our pid left it
+    temporary.mkdir()
+    try:
+        yield temporary
+        _rename_over(temporary, path)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+
+
+def _rename_over(folder: Path, path: Path) -> None:
+    """Rename ``folder`` to ``path``; an existing ``path`` is moved aside first and removed after."""
+    if not os.path.lexists(path):
+        os.rename(folder, path)
+        return
+    aside = path.with_name(f"{_folder_prefix(path)}old-{_writer_tag()}")
+    os.rename(path, aside)
+    try:
+        os.rename(folder, path)
+    except BaseException:
+        os.rename(aside, path)
+        raise
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside)
+    else:
+        aside.unlink()
+
+
+def temporary_folders(path: str | os.PathLike[str]) -> list[Path]:
+    """The temporary folders :func:`atomic_folder` made for ``path`` that are still there: a killed writer's, or a live
+    one's (call it where writers of ``path`` are serialised, e.g. under their lock, before removing what it finds)."""
+    path = Path(path)
+    return sorted(path.parent.glob(glob.escape(_folder_prefix(path)) + "*"))

@@ -19,12 +19,13 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .atomic import atomic_folder, temporary_folders
 
 __all__ = [
     "DEFAULT_TARGET_HUB_ID",
@@ -188,7 +189,7 @@ def _clean_tokenizer_config(path: Path) -> None:
 
 
 def _make_readable(folder: Path) -> None:
-    """mkdtemp makes a 0700 folder; give the result ordinary 0755/0644 permissions."""
+    """Ordinary 0755/0644 permissions for the converted folder, whatever the process's umask."""
     os.chmod(folder, 0o755)
     for f in folder.iterdir():
         if f.is_file():
@@ -253,29 +254,20 @@ def _convert_gguf(gguf: Path, dest: Path, progress: bool) -> Path:
     _log(progress, "converting SmolLM2 GGUF → safetensors (one time, ~30 s)")
     model, tokenizer = _dequantise_gguf(gguf, progress)
     _log(progress, f"  [3/4] saving into {dest}")
-    tmp = Path(tempfile.mkdtemp(prefix=_tmp_prefix(dest), dir=dest.parent))
-    try:
+    with atomic_folder(dest) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _clean_tokenizer_config(tmp / "tokenizer_config.json")
         (tmp / SOURCE_FILENAME).write_text(json.dumps(_source_record(gguf), indent=2) + "\n")
         _make_readable(tmp)
         _log(progress, "  [4/4] moving into place")
-        os.rename(tmp, dest)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     _log(progress, f"done in {time.perf_counter() - t0:.0f} s: {dest}")
     return dest
 
 
-def _tmp_prefix(dest: Path) -> str:
-    return f".{dest.name}.tmp-"
-
-
 def _remove_leftovers(dest: Path, progress: bool) -> None:
     """Under the lock, what an interrupted conversion left (temporary folders, an incomplete ``dest``) is stale."""
-    stale = sorted(dest.parent.glob(_tmp_prefix(dest) + "*"))
+    stale = temporary_folders(dest)
     if dest.exists() and not _is_complete_model_dir(dest):
         stale.append(dest)
     for folder in stale:

@@ -174,6 +174,26 @@ def test_resume_passes_over_a_damaged_newest_checkpoint_naming_the_file(tmp_path
         read_checkpoint(_OneProcess(), model, torch.optim.AdamW(model.parameters()), newest)
 
 
+def test_a_checkpoint_rewritten_over_a_damaged_one_holds_the_new_files_only(tmp_path):
+    """The step a resume passed over is written again: replaced whole, and a killed save's temporary is removed."""
+    from hf_retrace.training.checkpoints import CHECKPOINTS, checkpoint_problem, write_checkpoint
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    step = tmp_path / CHECKPOINTS / "step-4"
+    step.mkdir(parents=True)
+    (step / "optimizer.pt").write_bytes(b"torn")
+    (step / "optimizer.bin").write_bytes(b"an older layout's file")
+    killed = tmp_path / CHECKPOINTS / ".step-4.tmp-999-1"  # a save killed before its rename
+    killed.mkdir()
+    (killed / "model.safetensors").write_bytes(b"torn")
+    assert write_checkpoint(_OneProcess(), model, optimizer, {"step": 4, "micro_step": 8}, tmp_path, keep=5) == step
+    assert checkpoint_problem(step) is None
+    assert sorted(p.name for p in step.iterdir()) == ["model.safetensors", "optimizer.pt", "trainer_state.json"]
+    assert json.loads((step / "trainer_state.json").read_text()) == {"step": 4, "micro_step": 8}
+    assert [p.name for p in (tmp_path / CHECKPOINTS).iterdir()] == ["step-4"]
+
+
 def test_resume_is_refused_when_no_checkpoint_or_the_settings_cannot_be_read(tmp_path):
     from hf_retrace.training.cli.checks import RUN_SETTINGS, check_resume_files
 

@@ -212,3 +212,14 @@ def test_the_probe_learns_a_kept_token_that_is_the_label_and_only_with_the_suffi
         results[use_suffix] = probe.score(held, head, drafter, trained)
     assert results[True]["top1"] > 0.9 and results[False]["top1"] < 0.1
     assert results[True]["ce"] < results[False]["ce"] and results[True]["tau"] > results[False]["tau"] + 1
+
+
+def test_recorded_rounds_become_sequences_with_the_loss_on_the_answer_only(tmp_path):
+    from hf_retrace.tuning.records import AnswerRecord, RoundRecords
+
+    RoundRecords(block_size=4, greedy=[AnswerRecord([5, 6, 7, 8, 9], 3, [], []),
+                                       AnswerRecord([1, 2, 3], 1, [], [])]).save(tmp_path)
+    first, second = signal.records_as_sequences(str(tmp_path))
+    assert first["input_ids"].tolist() == [5, 6, 7, 8, 9]
+    assert first["loss_mask"].tolist() == [False, False, False, True, True]
+    assert second["loss_mask"].tolist() == [False, True, True]

@@ -25,7 +25,7 @@ from hf_retrace.tuning.costs import MachineCosts, fit_verify_costs, measure_cost
 from hf_retrace.tuning.records import AnswerRecord, RoundRecords
 from hf_retrace.tuning.search import choose_policies
 from hf_retrace.tuning import verify as verify_module
-from hf_retrace.tuning.verify import batch_check, verify_arms, verify_tuning
+from hf_retrace.tuning.verify import BatchAB, batch_check, verify_arms, verify_tuning
 
 
 def resolve_policy(drafter, target, config):
@@ -549,7 +549,7 @@ def test_the_tune_command_tunes_a_batch_size_and_refuses_bad_ones_before_loading
     asked = []
     monkeypatch.setattr(auto, "measure_costs", lambda *a, rows=1, **k: asked.append(rows) or dataclasses.replace(
         FLAT, rows=rows, drafter_first=rows > 1))
-    monkeypatch.setattr(verify_module, "batch_check", lambda *a, **k: [1.5, 1.5])  # no timing in a unit test
+    monkeypatch.setattr(verify_module, "batch_check", lambda *a, **k: _ab(1.5, 1.5))  # no timing in a unit test
     argv = ["tune", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--dtype", "fp32"]
     for bad, why in ((["--batch-size", "0"], "give a batch size of 1 or more"),
                      (["--batch-size", "4", "--verify"], "--verify runs batch-1 calls")):
@@ -597,10 +597,16 @@ def test_a_batch_replay_prices_each_round_by_its_widest_row_and_narrows_the_look
     assert chosen[1].lookup and chosen[8].lookup and chosen[8].lookup_cap < chosen[1].lookup_cap  # 2..8 against 4..32
 
 
+def _ab(*halves: float) -> BatchAB:
+    """An A/B whose halves took equal plain time: the whole is their harmonic mean."""
+    return BatchAB(len(halves) / sum(1 / r for r in halves), tuple(halves))
+
+
 @pytest.mark.parametrize("pairs, speculates, cached", [
-    ([0.9, 0.97], False, True),  # both pairs under 1 + margin: plain batched decoding, cached (two agree)
-    ([1.3, 1.25], True, True),  # both clear it: the replay's choice
-    ([0.9, 1.3], True, False),  # they disagree: the choice for this process only, measured again next time
+    ([0.9, 0.97], False, True),  # both halves under 1 + margin (and the shipped constants'): plain, cached (two agree)
+    ([1.3, 1.25], True, True),  # the whole clears it: the replay's choice
+    ([0.9, 1.3], True, True),  # the whole clears it though a half does not (prompts differ): the choice
+    ([0.8, 1.1], True, False),  # a half over, the whole under: drafting for this process only, measured again
 ])
 def test_a_batchs_drafting_choice_is_kept_only_where_a_real_ab_agrees(cache_dir, monkeypatch, pair, pairs, speculates,
                                                                       cached):
@@ -611,13 +617,13 @@ def test_a_batchs_drafting_choice_is_kept_only_where_a_real_ab_agrees(cache_dir,
         FLAT, rows=rows, drafter_first=True))
     checked = []
     monkeypatch.setattr(verify_module, "batch_check", lambda t, d, policy, answers, rows, sampling: checked.append(
-        (rows, sampling["do_sample"])) or list(pairs))
+        (rows, sampling["do_sample"])) or _ab(*pairs))
     result, path = auto.tune_and_cache(target, drafter, rows=4)
     greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
-    assert (4, False) in checked and result["batch_check"]["greedy"] == pairs
+    assert (4, False) in checked and result["batch_check"]["greedy"]["halves"] == pairs
     assert greedy.speculate == speculates and result["cached"] == cached and path.exists() == cached
     if not speculates:
-        assert "real A/B" in greedy.reason and json.loads(path.read_text())["plain_measurements"] == 2
+        assert "real A/B" in greedy.reason and json.loads(path.read_text())["plain_measurements"] >= 2
         auto._MEMO.clear()  # a later process reads the plain choice back without measuring again
         assert auto._read_cache(path, auto.machine_key(target, drafter, 4))[0]["greedy"] == greedy
     if not cached:
@@ -631,8 +637,31 @@ def test_the_batch_ab_times_both_arms_on_the_recorded_prompts(pair):
     answers = record_round_records(target, drafter, [[5, 9, 14, 2, 7, 7, 30], [11, 12, 13, 40, 2]], max_new_tokens=8,
                                    progress=False).greedy
     policy = RoundPolicy(confidence_cut=None, lookup=False)
-    ratios = batch_check(target, drafter, policy, answers[:1], rows=3, max_new_tokens=6, pairs=3)
-    assert len(ratios) == 3 and all(r > 0 for r in ratios)
+    ab = batch_check(target, drafter, policy, answers[:1], rows=3, max_new_tokens=6, prompts=9)
+    assert len(ab.halves) == 2 and ab.pooled > 0 and all(r > 0 for r in ab.halves)
+    assert min(ab.halves) <= ab.pooled <= max(ab.halves)  # the whole lies between its halves
+
+
+def test_the_batch_ab_spreads_the_recorded_prompts_over_its_batches(pair, monkeypatch):
+    """A batched call lasts as long as its slowest row: the A/B decodes many prompts in batches of the call's rows,
+    each batch by both arms, the order alternating, and pools each half of the batches."""
+    target, drafter = pair
+    answers = [AnswerRecord([3 + i, 4 + i, 5 + i], 2, [], []) for i in range(5)]
+    calls = []
+    real = type(target).generate
+
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens=None, assistant_model=None, **kwargs):
+        calls.append((input_ids[:, -2].tolist(), max_new_tokens, assistant_model is not None))
+        return real(self, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                    assistant_model=assistant_model, **kwargs)
+
+    monkeypatch.setattr(type(target), "generate", generate)
+    ratios = batch_check(target, drafter, RoundPolicy(confidence_cut=None, lookup=False), answers, rows=2,
+                         max_new_tokens=5, prompts=8)
+    timed = [call for call in calls if call[1] == 5]
+    assert [rows for rows, _, _ in timed[::2]] == [[3, 4], [5, 6], [7, 3], [4, 5]]  # 4 batches, prompts wrapping
+    assert [drafted for _, _, drafted in timed] == [False, True, True, False, False, True, True, False]
+    assert min(ratios.halves) <= ratios.pooled <= max(ratios.halves)
 
 
 def test_an_unsettled_tuning_is_tried_again_in_the_same_process_after_a_while(cache_dir, monkeypatch, pair, capsys):
@@ -746,12 +775,12 @@ def test_a_batch_that_refuses_the_replays_choice_tries_the_shipped_constants_bef
 
     def batch_check(t, d, policy, answers, rows, sampling):  # the wide choice loses, the narrow shipped round pays
         checked.append(policy)
-        return [1.3, 1.25] if (policy.confidence_cut, policy.lookup_cap) == (0.65, 4) else [0.95, 1.0]
+        return _ab(1.3, 1.25) if (policy.confidence_cut, policy.lookup_cap) == (0.65, 4) else _ab(0.95, 1.0)
 
     monkeypatch.setattr(verify_module, "batch_check", batch_check)
     result, _ = auto.tune_and_cache(target, drafter, rows=4)
     greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
     assert greedy.speculate and (greedy.confidence_cut, greedy.lookup_start, greedy.lookup_cap) == (0.65, 1, 4)
-    assert greedy.source == "shipped" and "shipped constants 1.30x, 1.25x" in greedy.reason
+    assert greedy.source == "shipped" and "shipped constants 1.27x (halves 1.30x, 1.25x)" in greedy.reason
     assert greedy.verify_costs == pytest.approx(FLAT.verify_costs)  # armed with the batch's costs
-    assert result["batch_check"]["greedy_shipped"] == [1.3, 1.25] and result["cached"]
+    assert result["batch_check"]["greedy_shipped"]["halves"] == [1.3, 1.25] and result["cached"]

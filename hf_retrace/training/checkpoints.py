@@ -2,9 +2,10 @@
 
 ``out_dir/checkpoints/step-N/`` holds ``model.safetensors`` (the objective's trainable module: ``drafter.*``),
 ``optimizer.pt`` (tensors and numbers only) and ``trainer_state.json`` (steps, micro-steps, tokens: the data order and
-the schedule are pure functions of them). A checkpoint is written into ``step-N.tmp``, flushed, then renamed, so a
-kill never leaves a torn one; only the newest ``keep`` are kept. One damaged later (a file cut short by a full disk or
-an interrupted copy) is found by :func:`checkpoint_problem`, which names the file, and passed over on resume.
+the schedule are pure functions of them). A checkpoint is written into a temporary sibling, flushed, then renamed
+(:func:`~hf_retrace.atomic.atomic_folder`), so a kill never leaves a torn one; only the newest ``keep`` are kept. One
+damaged later (a file cut short by a full disk or an interrupted copy) is found by :func:`checkpoint_problem`, which
+names the file, and passed over on resume.
 
 Example::
 
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..atomic import atomic_folder, temporary_folders
 from ..configuration import ReTraceConfig
 from ..loading import torch_dtype
 
@@ -106,22 +108,20 @@ def write_checkpoint(accelerator: Any, model: nn.Module, optimizer: torch.optim.
     Every process calls it; the main one writes."""
     root = out_dir / CHECKPOINTS
     final = root / f"step-{state['step']}"
-    tmp = root / f"step-{state['step']}.tmp"
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
         root.mkdir(parents=True, exist_ok=True)
+        for stale in temporary_folders(final):  # a killed save's: the main process is this run's only writer
+            shutil.rmtree(stale, ignore_errors=True)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:  # weights and optimizer are replicated across processes: one copy, no pickle
         from safetensors.torch import save_file
 
-        tmp.mkdir(parents=True, exist_ok=True)
-        model_state = accelerator.unwrap_model(model).state_dict()
-        save_file({k: v.detach().contiguous() for k, v in model_state.items()}, str(tmp / CHECKPOINT_MODEL))
-        torch.save(optimizer.state_dict(), tmp / CHECKPOINT_OPTIMIZER)
-        (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
-        _fsync_folder(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.replace(final)
+        with atomic_folder(final) as tmp:  # replaces a damaged step-N that a resume passed over
+            model_state = accelerator.unwrap_model(model).state_dict()
+            save_file({k: v.detach().contiguous() for k, v in model_state.items()}, str(tmp / CHECKPOINT_MODEL))
+            torch.save(optimizer.state_dict(), tmp / CHECKPOINT_OPTIMIZER)
+            (tmp / TRAINER_STATE).write_text(json.dumps(state, indent=2))
+            _fsync_folder(tmp)
         kept = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := re.fullmatch(r"step-(\d+)", p.name)))
         for _, old in kept[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
