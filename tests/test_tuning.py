@@ -343,3 +343,29 @@ def test_recorded_rounds_round_trip_and_replay_the_generators_cut(tmp_path):
     cut = drafter.with_policy(RoundPolicy(confidence_cut=threshold))
     target.generate(prompt, assistant_model=cut, max_new_tokens=16, do_sample=False)
     assert len(cut.last_stats.slot_confidences[0]) == confident_prefix(first, threshold) <= 2
+
+
+def test_the_replay_by_kind_splits_the_recorded_prompts_as_they_alternate(tmp_path, capsys):
+    """examples/replay_by_kind.py: the kinds alternate in the records, so kind k is every 6th answer from k; a kind
+    whose drafts are always right predicts more than one whose drafts never are."""
+    import importlib.util
+    from pathlib import Path
+
+    from hf_retrace.tuning.replay import replay
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = importlib.util.spec_from_file_location("replay_by_kind", examples / "replay_by_kind.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    right, wrong = _synthetic_answers(2, 1.0, False, n=2), _synthetic_answers(3, 0.0, False, n=10)
+    answers = [right[0], *wrong[:5], right[1], *wrong[5:]]  # kind 0 always right, kinds 1-5 never
+    RoundRecords(block_size=8, greedy=answers).save(tmp_path)
+    policy = FLAT.arm(RoundPolicy(confidence_cut=None, lookup=False))  # full blocks, this test's flat costs
+    (tmp_path / "policy.json").write_text(json.dumps({"policies": {"greedy": policy.to_dict()}}))
+    assert module.main(["--policy", str(tmp_path / "policy.json"), "--drafter", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and "---" not in line]
+    figures = {row[0].strip("| "): float(row[2]) for row in rows[1:]}
+    assert figures["GSM8K train"] == pytest.approx(replay(right, policy, 7)["tokens_per_cost"], abs=0.005)
+    assert figures["GSM8K train"] > 2 > figures["MATH train"] == figures["second turns"]
+    assert [int(row[1]) for row in rows[1:]] == [12, 2, 2, 2, 2, 2, 2]
