@@ -268,7 +268,7 @@ def test_the_realized_figure_is_tokens_over_the_rounds_wall_time_in_one_token_st
 
 # --- every way a policy arrives is checked field by field ------------------------------------------------------------
 def test_every_policy_field_has_one_rule():
-    fields = {f.name for f in dataclasses.fields(RoundPolicy)} - {"extra"}
+    fields = {f.name for f in dataclasses.fields(RoundPolicy)} - {"origin"}
     assert set(FIELD_RULES) == fields
 
 
@@ -716,7 +716,7 @@ def test_a_cached_plain_choice_is_checked_by_calls_that_draft_and_measured_again
     assert not any(p.speculate for p in _plain_calls(drafter, target, auto.PROBE_AFTER))
     probe = auto.auto_policy(drafter, target, target.generation_config)
     # the drafting policy plain turned down, armed with the machine's costs (the guard backs off where it loses)
-    assert probe.speculate and probe.extra["probe"] and probe.confidence_cut == 0.65
+    assert probe.speculate and probe.origin.probe and probe.confidence_cut == 0.65
     assert probe.verify_costs == pytest.approx(ROWS.verify_costs) and "checking plain" in probe.source
     auto.note_realized(probe, [_stats(1.4)])
     assert not any(p.speculate for p in _plain_calls(drafter, target, auto.PROBE_EVERY - 1))

@@ -24,7 +24,7 @@ from typing import Any
 
 from ..configuration import PROPOSAL_MODES, RETRACE_ABLATIONS
 
-__all__ = ["FIELD_RULES", "CallObserver", "PolicyResolver", "RoundGuard", "RoundPolicy", "check_view",
+__all__ = ["FIELD_RULES", "CacheOrigin", "CallObserver", "PolicyResolver", "RoundGuard", "RoundPolicy", "check_view",
            "confident_prefix", "field_problem", "resolve_policy", "shipped_policy", "verify_cost", "view_policy"]
 
 
@@ -117,6 +117,22 @@ def check_view(policy: Any, changes: dict[str, Any], where: str = "drafter.with_
 
 
 @dataclass(frozen=True)
+class CacheOrigin:
+    """Where a tuned policy was read from, for the checks its calls feed (``tuning.auto``): the cache entry's
+    ``digest`` and ``temperature`` name ("greedy" or "sampled"), the one-token step its figures are counted in, the
+    batch size it was tuned at, how often it was measured again, and whether this call drafts to check a cached
+    choice of plain decoding (``probe``). Not part of the policy's value: equal policies compare equal whatever
+    their origin."""
+
+    digest: str
+    temperature: str
+    step_seconds: float | None = None
+    rows: int = 1
+    revisits: int = 0
+    probe: bool = False
+
+
+@dataclass(frozen=True)
 class RoundPolicy:
     """What every round of one ``generate`` call does. Frozen: a call is handed one and never changes it.
 
@@ -156,7 +172,7 @@ class RoundPolicy:
     source: str = "explicit"
     reason: str = ""
     expected_speedup: float | None = None  # the replay's tokens per step-cost (tuned policies only)
-    extra: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+    origin: CacheOrigin | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -211,7 +227,7 @@ class RoundPolicy:
 
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
-        data.pop("extra")
+        data.pop("origin")
         if data["verify_costs"] is not None:
             data["verify_costs"] = [round(c, 4) for c in data["verify_costs"]]
         return data

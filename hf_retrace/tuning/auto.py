@@ -28,6 +28,7 @@ import os
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ import torch
 from ..atomic import write_text_atomically
 from ..defaults import cache_root
 from ..machine import cpu_info
-from ..generation.policy import RoundPolicy, shipped_policy
+from ..generation.policy import CacheOrigin, RoundPolicy, shipped_policy
 from .costs import MachineCosts, measure_costs
 from .records import RECORDS_FILENAME, RoundRecords
 from .search import LOOKUP_BUDGETS, PLAIN_MARGIN, choose_policies
@@ -302,8 +303,7 @@ def _policies(result: dict[str, Any], where: str = "round policy", digest: str |
     step = (result.get("costs") or {}).get("step_seconds")  # the unit the first calls' figure is counted in
     rows = (result.get("costs") or {}).get("rows", 1)
     revisits = result.get("revisits", 0)  # measured again once already: a plain choice is not checked again
-    return {name: policy.replace(extra={"cache_digest": digest, "temperature": name, "step_seconds": step,
-                                        "rows": rows, "revisits": revisits})
+    return {name: policy.replace(origin=CacheOrigin(digest, name, step, rows, revisits))
             for name, policy in policies.items()}
 
 
@@ -401,10 +401,11 @@ def note_realized(policy: RoundPolicy, all_stats: Any) -> None:
     choice (unchanged by a view) commit :data:`REALIZED_TOKENS`, add up their realized tokens per step-cost; then
     record it once in the cache entry beside the prediction (the next process start measures again when they are
     more than :data:`REALIZED_TOLERANCE` apart)."""
-    digest, name = policy.extra.get("cache_digest"), policy.extra.get("temperature")
-    if digest is None or name is None or not policy.speculate or policy.extra.get("rows", 1) != 1:
+    origin = policy.origin
+    if origin is None or not policy.speculate or origin.rows != 1:
         return  # (a batch's figure is counted per batch step: batch-1 calls check the prediction)
-    if policy.extra.get("probe"):
+    digest, name = origin.digest, origin.temperature
+    if origin.probe:
         _note_probe(policy, digest, name, all_stats)
         return
     with _LOCK:
@@ -414,7 +415,7 @@ def note_realized(policy: RoundPolicy, all_stats: Any) -> None:
         totals = _REALIZED.setdefault(digest, {}).setdefault(name, [0.0, 0.0])
         if totals is None:  # already recorded in this process
             return
-        step = policy.extra.get("step_seconds")
+        step = origin.step_seconds
         if not isinstance(step, (int, float)) or step <= 0:
             return
         for stats in all_stats:
@@ -486,16 +487,17 @@ def _probe_or(policy: RoundPolicy) -> RoundPolicy:
     losslessly, and its realized tokens per step-cost say whether plain was right (:func:`note_realized`). A plain
     choice made in a busy moment, or on a tuner's wrong prediction, so corrects itself; a right one costs one call in
     :data:`PROBE_EVERY` drafting at a small loss, twice per process at most."""
-    digest, name = policy.extra.get("cache_digest"), policy.extra.get("temperature")
-    if policy.speculate or digest is None or policy.extra.get("rows", 1) != 1 or policy.extra.get("revisits", 0):
+    origin = policy.origin
+    if policy.speculate or origin is None or origin.rows != 1 or origin.revisits:
         return policy
+    digest, name = origin.digest, origin.temperature
     with _LOCK:
         state = _PROBES.setdefault((digest, name), {"calls": 0, "next": PROBE_AFTER + 1, "figures": []})
         state["calls"] += 1
         if state.get("done") or state["calls"] < state["next"]:
             return policy
         state["next"] = state["calls"] + PROBE_EVERY
-    return policy.replace(speculate=True, source="tuned, checking plain", extra={**policy.extra, "probe": True},
+    return policy.replace(speculate=True, source="tuned, checking plain", origin=replace(origin, probe=True),
                           reason="a call that drafts to check this machine's cached choice of plain decoding ("
                                  + policy.reason + ")")
 
@@ -509,7 +511,7 @@ def _note_probe(policy: RoundPolicy, digest: str, name: str, all_stats: Any) -> 
     """Count a checking call's realized tokens per step-cost; a figure under 1 + PLAIN_MARGIN confirms plain for this
     process (no more checks), :data:`PROBES` figures over it are written to the cache entry, whose next read then
     measures again (at once: the next call in this process tunes)."""
-    step = policy.extra.get("step_seconds")
+    step = policy.origin.step_seconds
     if not isinstance(step, (int, float)) or step <= 0:
         return
     figures = [realized_figure(stats, step) for stats in all_stats]
