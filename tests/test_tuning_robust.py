@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -652,6 +653,8 @@ def test_the_batch_ab_spreads_the_recorded_prompts_over_its_batches(pair, monkey
 
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens=None, assistant_model=None, **kwargs):
         calls.append((input_ids[:, -2].tolist(), max_new_tokens, assistant_model is not None))
+        if assistant_model is not None and max_new_tokens == 5:
+            time.sleep(0.2)  # a drafted arm far slower than plain: each half must read under 1
         return real(self, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                     assistant_model=assistant_model, **kwargs)
 
@@ -662,6 +665,7 @@ def test_the_batch_ab_spreads_the_recorded_prompts_over_its_batches(pair, monkey
     assert [rows for rows, _, _ in timed[::2]] == [[3, 4], [5, 6], [7, 3], [4, 5]]  # 4 batches, prompts wrapping
     assert [drafted for _, _, drafted in timed] == [False, True, True, False, False, True, True, False]
     assert min(ratios.halves) <= ratios.pooled <= max(ratios.halves)
+    assert ratios.pooled < 0.5 and max(ratios.halves) < 0.5  # the drafted seconds land in the drafted column
 
 
 def test_an_unsettled_tuning_is_tried_again_in_the_same_process_after_a_while(cache_dir, monkeypatch, pair, capsys):

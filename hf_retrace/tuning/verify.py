@@ -146,7 +146,7 @@ def batch_check(target: Any, drafter: Any, policy: RoundPolicy, answers: list[An
     device = target.get_input_embeddings().weight.device
     pad = pad_token_id_of(target.generation_config)
     batches = max(2, -(-prompts // rows))
-    chosen = [answers[i % len(answers)].tokens[: answers[i % len(answers)].start] for i in range(batches * rows)]
+    chosen = [(a := answers[i % len(answers)]).tokens[: a.start] for i in range(batches * rows)]
     view = drafter.with_policy(policy)
     sampling = sampling or {"do_sample": False}
 
@@ -166,11 +166,12 @@ def batch_check(target: Any, drafter: Any, policy: RoundPolicy, answers: list[An
             seconds(batch, view, 4)
             seconds(batch, None, 4)
         prefill = seconds(batch, None, 1)
-        order = [None, view] if index % 2 == 0 else [view, None]
-        timed = [seconds(batch, arm, max_new_tokens) - prefill for arm in order]
+        plain_first = index % 2 == 0
+        arms = (None, view) if plain_first else (view, None)
+        timed = [seconds(batch, arm, max_new_tokens) - prefill for arm in arms]
         half = totals[0 if index < batches / 2 else 1]
-        half[0] += timed[order.index(None)]
-        half[1] += timed[order.index(view)]
+        for column, elapsed in enumerate(timed if plain_first else timed[::-1]):  # plain, drafted
+            half[column] += elapsed
     plain, drafted = (sum(column) for column in zip(*totals))
     return BatchAB(max(plain, 1e-9) / max(drafted, 1e-9),
                    tuple(max(p, 1e-9) / max(d, 1e-9) for p, d in totals))
