@@ -463,9 +463,11 @@ def test_bench_batch_size_reports_throughput_against_plain_batched(tmp_path, cap
     out = tmp_path / "out.json"
     argv = ["bench", "--batch-size", "2", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
             "--dataset", "gsm8k", "--methods", "plain,prompt-lookup,dflash", "--temperature", "0", "--temperature",
-            "1", "--max-new-tokens", "8", "--limit", "3", "--dtype", "fp32", "--json", str(out), "--no-progress"]
+            "1", "--max-new-tokens", "8", "--limit", "3", "--dtype", "fp32", "--json", str(out), "--no-progress",
+            "--repeats", "2"]
     assert cli.main(argv) == 0
     report = json.loads(out.read_text())
+    assert report["settings"]["repeats"] == 2 and "timed 2 times" in report["settings"]["timing"]
     rows = {(row["method"], row["temperature"]): row for row in report["rows"]}
     assert set(rows) == {(m, t) for m in ("plain", "dflash") for t in ("T=0", "T=1")}  # prompt lookup: skipped
     assert report["settings"]["skipped_methods"] == ["prompt-lookup"]
@@ -484,7 +486,9 @@ def test_bench_batch_size_refuses_bad_values_before_any_model_loads(capsys):
     from hf_retrace import cli
 
     for argv, words in ((["bench", "--batch-size", "0"], "batch size of 1 or more"),
-                        (["bench", "--batch-size", "4", "--plots", "p"], "drop it with --batch-size")):
+                        (["bench", "--batch-size", "4", "--plots", "p"], "drop it with --batch-size"),
+                        (["bench", "--batch-size", "4", "--repeats", "0"], "1 or more timings per batch"),
+                        (["bench", "--repeats", "3"], "add --batch-size N")):
         with pytest.raises(SystemExit, match=words):
             cli.main(argv)
 

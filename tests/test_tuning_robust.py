@@ -508,11 +508,14 @@ def test_each_batch_size_is_tuned_and_cached_apart_and_plain_where_a_batch_does_
         return FLAT if rows == 1 else dataclasses.replace(ROWS, rows=rows, drafter_first=True)
 
     monkeypatch.setattr(auto, "measure_costs", measure)
+    checked = []  # the real A/B of the best replayed drafting knobs (and the shipped constants): both lose
+    monkeypatch.setattr(verify_module, "batch_check", lambda t, d, policy, answers, rows, sampling: checked.append(
+        rows) or _ab(0.9, 0.95))
     config = target.generation_config
-    assert auto.auto_policy(drafter, target, config).speculate and asked == [1]
+    assert auto.auto_policy(drafter, target, config).speculate and asked == [1] and not checked
     batch = auto.auto_policy(drafter, target, config, rows=4)
     assert not batch.speculate and asked == [1, 4, 4]  # plain stands on two measurements, as at batch 1
-    assert "two measurements agree" in batch.reason
+    assert "real A/B" in batch.reason and set(checked) == {4}  # and on the real A/Bs
     entries = [json.loads(p.read_text()) for p in cache_dir.glob("policies/*.json")]
     assert sorted(e["key"].get("rows", 1) for e in entries) == [1, 4]
     assert auto.auto_policy(drafter, target, config, rows=4) == batch and asked == [1, 4, 4]  # memoised
@@ -580,8 +583,44 @@ def test_a_batch_round_costs_the_drafter_once_and_the_verify_of_its_widest_row()
     assert batch_round_cost(policy, half, rows=8) == pytest.approx(0.2 + 0.5**8 * 1.0 + (1 - 0.5**8) * 1.7)
 
 
+def test_a_batch_lasts_as_long_as_its_slowest_row_and_plain_as_its_longest_answer():
+    from hf_retrace.tuning.replay import lockstep_cost
+
+    policy = RoundPolicy(verify_costs=(1.0, 1.5, 2.0, 2.5), draft_cost=0.5)
+    # two rows: 12 tokens in 4 rounds of 3 drafts, 12 tokens in 12 plain steps; the batch runs 12 rounds
+    plain, drafted = lockstep_cost(policy, [[3] * 4, [0] * 12], [12, 12], rows=2)
+    assert plain == 12 and drafted == pytest.approx(4 * (0.5 + 2.5) + 8 * (0.5 + 1.0))
+    # alone, each row as a batch of one: the fast row pays only its own 4 rounds
+    assert lockstep_cost(policy, [[3] * 4, [0] * 12], [12, 12], rows=1) == (24, pytest.approx(4 * 3.0 + 12 * 1.5))
+    # plain batched decoding lasts as long as the longest answer; the last batch wraps round to the first answers
+    assert lockstep_cost(policy, [[1], [1], [1]], [2, 5, 3], rows=2) == (5 + 3, pytest.approx(2 * 2.0))  # two batches of one round
+
+
+def test_a_row_of_a_batch_drafts_without_the_guard_which_would_save_nothing_there(pair):
+    """At batch 1 the guard backs off a call whose rounds lose; in a batch a row that backs off still pays the drafter
+    (it runs for every row) and the widest row's verify, so rows have no guard, in the replay as in the loop."""
+    from hf_retrace.generation.batched import BatchedLoop, left_padded
+    from hf_retrace.tuning.replay import replay
+
+    records = _records(0.05, loops=False)  # drafts almost never right: the guard backs off at batch 1
+    policy = ROWS.arm(RoundPolicy(confidence_cut=None, lookup=False))
+    assert policy.guard() is not None and policy.guard(rows=4) is None
+    unguarded = replay(records.greedy, policy.replace(verify_costs=None), 7)["plain_steps"]  # no room at the end
+    assert replay(records.greedy, policy, 7)["plain_steps"] > unguarded
+    assert replay(records.greedy, policy, 7, rows=4)["plain_steps"] == unguarded
+    target, drafter = pair
+    batch = left_padded([[3, 4, 5], [6, 7]], pad=0)
+    config = dataclasses.replace(target.generation_config) if dataclasses.is_dataclass(
+        target.generation_config) else target.generation_config
+    loop = BatchedLoop(target, drafter, batch["input_ids"], batch["attention_mask"], config, None, None, policy)
+    try:
+        assert all(row.generator.round.guard is None for row in loop.rows)
+    finally:
+        loop.close()
+
+
 def test_a_batch_replay_prices_each_round_by_its_widest_row_and_narrows_the_lookup_budget():
-    from hf_retrace.tuning.replay import batch_round_cost, replay
+    from hf_retrace.tuning.replay import batch_round_cost, lockstep_cost, replay
 
     records = _records(0.6, loops=True)
     batch = dataclasses.replace(FLAT, verify_costs=tuple(1.0 + 0.12 * k for k in range(33)), rows=8,
@@ -590,8 +629,13 @@ def test_a_batch_replay_prices_each_round_by_its_widest_row_and_narrows_the_look
     alone, wide = (replay(records.greedy, policy, 7, keep_rounds=True, rows=rows) for rows in (1, 8))
     assert wide["tau"] == alone["tau"] and wide["rounds"] == alone["rounds"]  # the same rounds, priced apart
     widths = [drafted for _, drafted, _ in alone["round_log"]] + [0] * alone["plain_steps"]
-    expected = alone["tokens"] / (len(widths) * batch_round_cost(policy, widths, 8))
-    assert wide["tokens_per_cost"] == pytest.approx(expected) and wide["tokens_per_cost"] < alone["tokens_per_cost"]
+    assert wide["tokens_per_cost"] < alone["tokens_per_cost"]
+    # the rows run in lockstep (their own rounds, side by side), not as rounds pooled over every row
+    assert wide["tokens_per_cost"] != pytest.approx(alone["tokens"] / (len(widths) * batch_round_cost(policy, widths, 8)))
+    singles = [replay([answer], policy, 7, keep_rounds=True) for answer in records.greedy]
+    lockstep = lockstep_cost(policy, [[drafted for _, drafted, _ in one["round_log"]] + [0] * one["plain_steps"]
+                                      for one in singles], [int(one["tokens"]) for one in singles], 8)
+    assert wide["tokens_per_cost"] == pytest.approx(lockstep[0] / lockstep[1])
     # one long lookup copy widens every row's verify: the batch chooses a narrower budget than batch 1 does
     chosen = {rows: choose_policies(records, dataclasses.replace(batch, rows=rows), RoundPolicy(lookup=True))["greedy"]
               for rows in (1, 8)}
@@ -629,6 +673,29 @@ def test_a_batchs_drafting_choice_is_kept_only_where_a_real_ab_agrees(cache_dir,
         assert auto._read_cache(path, auto.machine_key(target, drafter, 4))[0]["greedy"] == greedy
     if not cached:
         assert "did not agree with itself" in result["cache_note"]
+
+
+@pytest.mark.parametrize("pairs, speculates", [([1.3, 1.25], True), ([0.9, 0.97], False)])
+def test_a_batchs_replayed_plain_is_checked_by_a_real_ab_of_its_best_drafting_knobs(cache_dir, monkeypatch, pair,
+                                                                                    pairs, speculates):
+    """The replay prices a batch from a model; where it finds nothing that pays, the best replayed drafting policy
+    still gets a real A/B, and drafting is chosen where that pays."""
+    target, drafter = pair
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.6, loops=False))
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, rows=1, **k: dataclasses.replace(
+        ROWS, rows=rows, drafter_first=True))  # every draft as dear as a step: the replay chooses plain
+    checked = []
+    monkeypatch.setattr(verify_module, "batch_check", lambda t, d, policy, answers, rows, sampling: checked.append(
+        policy) or _ab(*pairs))
+    result, _ = auto.tune_and_cache(target, drafter, rows=4)
+    greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
+    assert len(result["measurements"]) == 2  # the replay chose plain: measured twice before any A/B
+    assert checked and all(policy.speculate for policy in checked)  # the A/B drafts with the best replayed knobs
+    assert greedy.speculate == speculates and result["batch_check"]["greedy"]["halves"] == pairs
+    if speculates:
+        assert "real A/B" in greedy.reason
+    else:
+        assert "the replay predicted plain" in greedy.reason and result["cached"]
 
 
 def test_the_batch_ab_times_both_arms_on_the_recorded_prompts(pair):

@@ -2,9 +2,10 @@
 ``generate``, at the same batch size and the same left padding.
 
 Each dataset's first turns are cut into batches of N prompts in the dataset's order (the last batch may be smaller),
-left-padded with the tokenizer's pad token. Per batch and method one timed ``generate`` call; before it, once per
-batch, one timed target forward over the padded batch (what ``generate``'s prefill does), subtracted from every
-method's time, as the single-request benchmark does (``runner``). The figures:
+left-padded with the tokenizer's pad token. Per batch and method one timed ``generate`` call (``repeats`` > 1: that
+many, the methods' order alternating each time, and the median time kept); before them, once per batch, one timed
+target forward over the padded batch (what ``generate``'s prefill does), subtracted from every method's time, as the
+single-request benchmark does (``runner``). The figures:
 
 - **throughput**: committed new tokens of all rows after each row's first (the prefill's), per decode second;
   ``speedup`` = the method's throughput / plain batched throughput on the same batches;
@@ -18,6 +19,7 @@ batches.
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 from typing import Any
@@ -72,8 +74,9 @@ def _batches(plan: BenchPlan, tokenizer: Any, batch_size: int, pad: int, device:
             for dataset, prompts in plan.prompts.items()}
 
 
-def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> dict[str, Any]:
-    """Load the models, warm up, run every batch with plain and each drafting method; return the report dict."""
+def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int, repeats: int = 1) -> dict[str, Any]:
+    """Load the models, warm up, run every batch with plain and each drafting method (each call ``repeats`` times,
+    the median time kept); return the report dict."""
     from .runner import _settings, load_models, temperature_label
 
     target, tokenizer, drafters = load_models(plan)
@@ -108,14 +111,22 @@ def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> 
                       for m in methods}
             for index, batch in enumerate(dataset_batches):
                 prefill = _prefill_seconds(target, batch)
-                order = methods if index % 2 == 0 else methods[::-1]  # no method always first (or last) on a batch
                 for seed in seeds:
-                    rows_of = {}
-                    for method in order:
-                        out, seconds = call(method, batch, temperature, seed, spec.max_new_tokens)
-                        rows_of[method.name] = new = _new_tokens(out, batch["input_ids"].shape[1], eos_ids)
-                        stats = None if method.kind == "plain" else bench.drafters[method.name].last_stats
-                        _add_call(totals[method.name], new, seconds - prefill, stats)
+                    rows_of, stats_of = {}, {}
+                    times: dict[str, list[float]] = {m.name: [] for m in methods}
+                    for repeat in range(repeats):
+                        # no method always first (or last) on a batch, nor in a batch's repeats
+                        order = methods if (index + repeat) % 2 == 0 else methods[::-1]
+                        for method in order:
+                            out, seconds = call(method, batch, temperature, seed, spec.max_new_tokens)
+                            times[method.name].append(seconds)
+                            if method.name not in rows_of:  # seeded alike: every repeat gives the same rows
+                                rows_of[method.name] = _new_tokens(out, batch["input_ids"].shape[1], eos_ids)
+                                stats_of[method.name] = (None if method.kind == "plain"
+                                                         else bench.drafters[method.name].last_stats)
+                    for method in methods:
+                        _add_call(totals[method.name], rows_of[method.name],
+                                  statistics.median(times[method.name]) - prefill, stats_of[method.name])
                     if temperature == 0 and "plain" in rows_of:  # (outside the timed calls)
                         for name, new in rows_of.items():
                             if name != "plain":
@@ -128,7 +139,10 @@ def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int) -> 
     timing = ("decode only: each batch's generate wall time minus one timed batched prefill forward; tokens after "
               "each row's first")
     environment = {"device": str(device), "torch_threads": torch.get_num_threads(), "torch": torch.__version__}
-    return {"settings": {**_settings(plan), "batch_size": batch_size, "skipped_methods": skipped, "timing": timing},
+    if repeats > 1:
+        timing += f"; each call timed {repeats} times, the methods' order alternating, the median kept"
+    return {"settings": {**_settings(plan), "batch_size": batch_size, "repeats": repeats, "skipped_methods": skipped,
+                         "timing": timing},
             "environment": environment, "rows": rows}
 
 

@@ -88,6 +88,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise BenchInputError(f"--batch-size {args.batch_size}: give a batch size of 1 or more")
         if args.batch_size > 1 and args.plots:
             raise BenchInputError("--plots draws per-request figures: drop it with --batch-size")
+        if args.repeats < 1:
+            raise BenchInputError(f"--repeats {args.repeats}: give 1 or more timings per batch and method")
+        if args.repeats > 1 and args.batch_size == 1:
+            raise BenchInputError("--repeats times each batch of a --batch-size run again; the per-request benchmark "
+                                  "times many single calls instead: add --batch-size N, or raise --limit")
     except BenchInputError as exc:
         raise SystemExit(f"hf-retrace bench: error: {exc}") from None
     if args.threads:
@@ -95,7 +100,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.batch_size > 1:  # batched generate against plain batched generate (issue 39)
         from .batched_throughput import batched_markdown, run_batched_benchmark
 
-        report = run_batched_benchmark(spec, plan, args.batch_size)
+        report = run_batched_benchmark(spec, plan, args.batch_size, args.repeats)
         for path in [write_json(report, args.json)] if args.json else []:
             print(f"[hf-retrace bench] wrote {path}", file=sys.stderr)
         if args.markdown:
@@ -155,6 +160,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                        help="run each dataset's first turns in left-padded batches of N: batched generate with each "
                             "drafting method against plain batched generate, throughput and tau (default: 1, the "
                             "per-request benchmark)")
+    bench.add_argument("--repeats", type=int, default=1, metavar="R",
+                       help="with --batch-size: time each batch R times per method, the methods' order alternating, "
+                            "and keep each call's median time (a batch of 8 is one timed call per dataset: on a "
+                            "2-core CPU one call's time moved by up to 20 %%; default: 1)")
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument("--fail-on-mismatch", action="store_true",

@@ -261,7 +261,8 @@ class BatchedLoop:
         for b in range(input_ids.shape[0]):
             processors = row_processors(logits_processor, b)
             generator = ReTraceCandidateGenerator(drafter, target, generation_config, processors,
-                                                  prompt_length=input_ids.shape[1] - int(pads[b]), policy=policy)
+                                                  prompt_length=input_ids.shape[1] - int(pads[b]), policy=policy,
+                                                  rows=input_ids.shape[0])
             generator.close()  # its own tap is not used: this loop taps the target once for all rows
             self.rows.append(_Row(b, int(pads[b]), input_ids[b].clone(), generator, processors))
         self.verify_seconds = self.draft_seconds = 0.0  # the batch's shared forwards, counted once

@@ -39,6 +39,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
     Built fresh by ``target.generate(..., assistant_model=drafter)`` for every call: all state (the drafter's cache,
     the lookup index, ReTrace's carry, the stats) lives in its sources and dies with the call. A drafter view's own
     ``drafter_source`` (``drafter.with_drafter_source(cls)``) replaces :class:`DrafterSource` (tests' fixed proposals).
+    ``rows``: the call's batch size (a row of a batch runs without the round guard: :meth:`RoundPolicy.guard`).
     """
 
     def __init__(
@@ -49,6 +50,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         logits_processor: LogitsProcessorList | None,
         prompt_length: int,
         policy: RoundPolicy | None = None,
+        rows: int = 1,
     ):
         self.policy = policy = policy if policy is not None else RoundPolicy()
         self.drafter, self.prompt_length = drafter, prompt_length
@@ -72,7 +74,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         in_one = one_transfer(accelerator, sampled, slot_processors=bool(processors))
         sources = [s for s in (self.lookup, self.drafter_source) if s is not None]
         self.round = Round(policy, sources, self.stats, self.eos_token_ids.tolist(),
-                           launch_first=self.drafter_source if in_one else None)
+                           launch_first=self.drafter_source if in_one else None, rows=rows)
         self.proposal: Proposal | None = None  # the round awaiting its verdict
         self._verify_started = 0.0
 

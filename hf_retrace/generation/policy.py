@@ -217,9 +217,12 @@ class RoundPolicy:
             return 1.0 + drafted
         return (self.lookup_cost if from_lookup else (self.draft_cost or 0.0)) + verify_cost(self.verify_costs, drafted)
 
-    def guard(self) -> "RoundGuard | None":
-        """A fresh per-call guard when this policy knows the machine's costs (None otherwise)."""
-        return RoundGuard(self) if self.verify_costs is not None else None
+    def guard(self, rows: int = 1) -> "RoundGuard | None":
+        """A fresh per-call guard when this policy knows the machine's costs (None otherwise), at batch 1 only: in a
+        batch of ``rows`` > 1 a row that backs off saves nothing (the drafter runs for every row, and the verify is as
+        wide as the widest row), it only forgoes its drafts; there the tuner's real A/B decides (docs/design/batching.md).
+        """
+        return RoundGuard(self) if self.verify_costs is not None and rows == 1 else None
 
     # --- values ----------------------------------------------------------------------------------------------------
     def replace(self, **changes: Any) -> "RoundPolicy":

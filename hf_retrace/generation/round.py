@@ -29,10 +29,11 @@ class Round:
     before any source decides (it gets ``host_from``, where the host's copy of the committed tokens must start)."""
 
     def __init__(self, policy: RoundPolicy, sources: Sequence[ProposalSource], stats: GenerationStats,
-                 eos_ids: Collection[int] = (), launch_first: Any = None):
+                 eos_ids: Collection[int] = (), launch_first: Any = None, rows: int = 1):
         self.policy, self.sources, self.stats = policy, list(sources), stats
         self.eos_ids = frozenset(eos_ids)
-        self.guard = policy.guard()  # never slower than plain within the call (None: the costs are not known)
+        # never slower than plain within the call (None: the costs are not known, or a row of a batch of ``rows``)
+        self.guard = policy.guard(rows)
         self.launch_first = launch_first
 
     def propose(self, inputs: RoundInputs, host_from: int | None = None) -> Proposal | None:

@@ -16,6 +16,11 @@ Example::
 A batch is priced the same way with ``rows=B``: every forward then runs ``B`` rows, so the unit is a ``B``-row
 one-token step (plain batched decoding's), and the drafter round is the batch loop's (every row's whole block in one
 forward, before the rows' rounds decide: the accelerator order of :func:`~hf_retrace.generation.proposal.one_transfer`).
+Every batched forward is timed as the loops run it (:func:`batch_probe_mask`): over a left-padded cache holding
+masked slots, with a 2-D attention mask and per-row positions. A clean causal probe priced a batch wrongly: on a
+2-core EPYC in bf16 a padded one-token step at 8 rows took 55 ms where the unpadded probe took 83 ms, while a verify
+of 8 tokens a row took about as long either way, so every verify read 1.5x too cheap in steps
+(``docs/design/batching.md``).
 """
 
 from __future__ import annotations
@@ -35,8 +40,8 @@ from ..generation.placement import synchronize
 from ..generation.policy import LOOKUP_COST, RoundPolicy, verify_cost
 from ..generation.target_features import cache_kwargs
 
-__all__ = ["MachineCosts", "VerifyFit", "fit_verify_costs", "measure_costs", "measure_draft_cost",
-           "measure_verify_costs", "sample_verify_ratios", "timed"]
+__all__ = ["MachineCosts", "VerifyFit", "batch_probe_mask", "fit_verify_costs", "measure_costs", "measure_draft_cost",
+           "measure_row_share", "measure_verify_costs", "sample_verify_ratios", "timed"]
 
 PROBE_POINTS = (1, 2, 3, 4, 8, 16)  # timed against a one-token forward; the k between are interpolated
 SHORT_DRAFTS = 4  # verifies this short get the passes past MIN_PASSES (the common case, and the cheap one)
@@ -67,7 +72,9 @@ class MachineCosts:
     ``spread``: the largest disagreement between a timed ``k``'s repeats (:class:`VerifyFit`); ``settled``: False when
     the timings stayed too noisy or implausible to decide on (the tuner keeps the shipped policy and caches nothing);
     ``rows``: the batch size every forward was timed at (the unit is then a ``rows``-row one-token step);
-    ``timed_out``: the measurement ran past :data:`MEASURE_SECONDS` before its passes were done (a busy machine).
+    ``timed_out``: the measurement ran past :data:`MEASURE_SECONDS` before its passes were done (a busy machine);
+    ``row_share``: in a batch, the share of a forward's time that scales with its rows (a forward over ``n`` of the
+    ``rows`` rows costs ``(1 - row_share) + row_share * n / rows`` of one over all: :func:`measure_row_share`).
     """
 
     verify_costs: tuple[float, ...]
@@ -79,6 +86,7 @@ class MachineCosts:
     settled: bool = True
     rows: int = 1
     timed_out: bool = False
+    row_share: float = 0.0
 
     def unsettled_cause(self) -> str:
         """Why the timings decide nothing, in words ("" when settled)."""
@@ -120,7 +128,7 @@ class MachineCosts:
         return cls(tuple(data["verify_costs"]), float(data["draft_cost_chunk"]), float(data["draft_cost_full"]),
                    float(data["step_seconds"]), bool(data.get("drafter_first", False)),
                    float(data.get("spread", 0.0)), bool(data.get("settled", True)), int(data.get("rows", 1)),
-                   bool(data.get("timed_out", False)))
+                   bool(data.get("timed_out", False)), float(data.get("row_share", 0.0)))
 
 
 def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -250,20 +258,51 @@ def _context_cache(target: Any, ids: torch.Tensor, context_length: int) -> Dynam
     return cache
 
 
+def batch_probe_mask(rows: int, context_length: int, new: int, device: Any = None) -> torch.Tensor:
+    """``[rows, slots + new]``: the 2-D attention mask of a batch's cache as the batch loops hold it, for timing a
+    forward as they run it. ``slots`` is ``context_length`` committed slots plus a quarter as many masked ones (a
+    row's rejected drafts, which stay until a compaction: between none and as many as it committed, see
+    :mod:`~hf_retrace.generation.batched_cache`), scattered past the padding; every other row is left-padded by an
+    eighth of the context (prompts of different lengths); the ``new`` slots being timed are all real.
+
+    >>> batch_probe_mask(2, 16, 3).sum(-1).tolist()   # 16 context slots + 3 new; row 1's prompt 2 shorter (padded)
+    [19, 17]
+    """
+    holes, pad = context_length // 4, context_length // 8
+    mask = torch.ones(rows, context_length + holes + new, dtype=torch.long)
+    generator = torch.Generator().manual_seed(2)
+    for row in range(rows):
+        start = pad if row % 2 else 0
+        mask[row, :start] = 0
+        span = context_length + holes - start - 1  # the first real slot stays one
+        mask[row, start + 1 + torch.randperm(span, generator=generator)[:holes]] = 0
+    return mask.to(device)
+
+
 @torch.inference_mode()
-def _verify_probe(target: Any, max_drafts: int, context_length: int, rows: int = 1) -> Callable[[int], float]:
+def _verify_probe(target: Any, max_drafts: int, context_length: int, rows: int = 1,
+                  batched: bool | None = None) -> Callable[[int], float]:
     """``probe(k)``: seconds of the target's forward over ``k + 1`` new tokens of each of ``rows`` rows on a cached
-    ``context_length`` context (the new positions cropped again after each), warmed up once."""
+    ``context_length`` context (the new positions cropped again after each), warmed up once. A batch (``rows`` > 1)
+    runs as the batch loop runs it: a cache with padding and masked slots (:func:`batch_probe_mask`), an attention
+    mask and per-row positions; ``probe(0)`` is then plain batched decoding's step over a padded batch (``batched``:
+    the same at one row, for comparing a batch with fewer rows)."""
     device = target.get_input_embeddings().weight.device
     vocab = target.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (rows, context_length + max_drafts + 1), generator=torch.Generator().manual_seed(0))
+    batched = rows > 1 if batched is None else batched
+    mask = batch_probe_mask(rows, context_length, max_drafts + 1, device) if batched else None
+    slots = context_length if mask is None else mask.shape[1] - max_drafts - 1
+    ids = torch.randint(0, vocab, (rows, slots + max_drafts + 1), generator=torch.Generator().manual_seed(0))
     ids = ids.to(device)
-    cache = _context_cache(target, ids, context_length)
+    cache = _context_cache(target, ids, slots)
+    positions = None if mask is None else (mask.cumsum(-1) - 1).clamp_min(0)
 
     @torch.inference_mode()
     def probe(k: int) -> float:
-        new = ids[:, context_length : context_length + k + 1]
-        took = timed(lambda: target(input_ids=new, **cache_kwargs(target, cache), use_cache=True), device)
+        new = ids[:, slots : slots + k + 1]
+        batch = {} if mask is None else dict(attention_mask=mask[:, : slots + k + 1],
+                                             position_ids=positions[:, slots : slots + k + 1])
+        took = timed(lambda: target(input_ids=new, **cache_kwargs(target, cache), use_cache=True, **batch), device)
         cache.crop(-(k + 1))  # negative: drop the k + 1 new positions (transformers 4.57 and 5.x)
         return took
 
@@ -283,22 +322,30 @@ def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_l
     device = drafter.device
     block_size = drafter.config.block_size
     features = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
+    # a batch's drafter cache holds padding and masked slots as the target's does (generation/batched_drafter.py)
+    mask = batch_probe_mask(rows, context_length, 1 + block_size, device) if rows > 1 else None
+    cached = context_length if mask is None else mask.shape[1] - 1 - block_size
     generator = torch.Generator().manual_seed(0)
-    context = torch.randn(rows, context_length + 1, features, generator=generator).to(device, drafter.dtype)
+    context = torch.randn(rows, cached + 1, features, generator=generator).to(device, drafter.dtype)
     embed = target.get_input_embeddings()
     head = drafter.draft_head(target.get_output_embeddings())  # scored in its own dtype, as in a round
     cache = DynamicCache()
     block = drafter.block_embeddings(torch.zeros(rows, dtype=torch.long, device=device), embed)
-    drafter(target_hidden=context[:, :context_length], noise_embedding=block,
-            position_ids=torch.arange(context_length + block_size, device=device)[None].expand(rows, -1),
+    drafter(target_hidden=context[:, :cached], noise_embedding=block,
+            position_ids=torch.arange(cached + block_size, device=device)[None].expand(rows, -1),
             past_key_values=cache,
             use_cache=True)
     cache.crop(-block_size)
-    positions = torch.arange(context_length, context_length + 1 + block_size, device=device)[None].expand(rows, -1)
+    if mask is None:
+        positions = torch.arange(cached, cached + 1 + block_size, device=device)[None].expand(rows, -1)
+        batch = {}
+    else:
+        positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, cached:]
+        batch = dict(attention_mask=mask.bool()[:, None, None, :].expand(-1, 1, block_size, -1))
 
     def round_(slots: int) -> None:
-        hidden = drafter(target_hidden=context[:, context_length:], noise_embedding=block, position_ids=positions,
-                         past_key_values=cache, use_cache=True)
+        hidden = drafter(target_hidden=context[:, cached:], noise_embedding=block, position_ids=positions,
+                         past_key_values=cache, use_cache=True, **batch)
         cache.crop(-(block_size + 1))
         drafter.compute_logits(hidden[:, 1 : slots + 1], head).softmax(-1).amax(-1)
 
@@ -311,6 +358,30 @@ def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_l
                 ratios[slots].append(took / (step_probe() if step_probe else step_seconds))
     pick = statistics.median if step_probe else min
     return pick(ratios[chunk]), pick(ratios[block_size - 1])
+
+
+ROW_SHARE_WIDTHS = (1, 3)  # the verify widths the row share is timed at (what batched rounds mostly send)
+
+
+@torch.inference_mode()
+def measure_row_share(target: Any, context_length: int, rows: int, probe: Callable[[int], float] | None = None,
+                      passes: int = MIN_PASSES) -> float:
+    """The share of a batched forward's time that scales with its rows, from verifies over ``rows`` rows and over
+    half as many, timed in turns: ``(1 - t_half / t_all) / (1 - half / rows)`` (median, within 0..1). A batch whose
+    rows finish at different rounds runs narrower forwards towards its end (a finished row leaves the batch loop);
+    on a 2-core EPYC a verify of 4 tokens a row at 4 rows took 0.66 of its time at 8, a one-token step 0.87."""
+    half = max(1, rows // 2)
+    probe = probe or _verify_probe(target, max(ROW_SHARE_WIDTHS), context_length, rows)
+    fewer = _verify_probe(target, max(ROW_SHARE_WIDTHS), context_length, half, batched=True)
+    shares = []
+    for index in range(passes):
+        for k in ROW_SHARE_WIDTHS if index % 2 == 0 else reversed(ROW_SHARE_WIDTHS):
+            if index % 2 == 0:  # the order alternates, so neither side always runs second
+                full, narrow = probe(k), fewer(k)
+            else:
+                narrow, full = fewer(k), probe(k)
+            shares.append((1 - narrow / full) / (1 - half / rows))
+    return min(1.0, max(0.0, statistics.median(shares)))
 
 
 @torch.inference_mode()
@@ -335,5 +406,6 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
                                      step_probe=None if late else lambda: probe(0), rows=rows)
     # a batch drafts every row's whole block before the rows decide: the accelerator order (generation/batched.py)
     drafter_first = on_accelerator(drafter.device) or rows > 1
+    share = measure_row_share(target, context_length, rows, probe) if rows > 1 and not late else 0.0
     return MachineCosts(tuple(fit.costs), chunk, full, step, drafter_first, fit.spread, fit.settled and finished,
-                        rows, timed_out=not finished)
+                        rows, timed_out=not finished, row_share=share)

@@ -54,7 +54,7 @@ def search_policy(answers: Sequence[Any], costs: MachineCosts, base: RoundPolicy
     def walk(cut: float | None, lookup: tuple[int, int] | None) -> dict[str, Any]:
         policy = costs.arm(base, confidence_cut=cut, **lookup_changes(lookup))
         row = {"confidence_cut": cut, "lookup": lookup, "policy": policy,
-               **replay(answers, policy, max_drafts, rows=costs.rows)}
+               **replay(answers, policy, max_drafts, rows=costs.rows, row_share=costs.row_share)}
         table.append(row)
         return row
 
