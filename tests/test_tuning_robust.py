@@ -498,6 +498,27 @@ def test_costs_timed_at_a_batch_size_are_in_batched_steps_and_in_the_accelerator
     assert measure_costs(target, drafter, max_drafts=4, repeats=3, seconds=60.0).rows == 1
 
 
+def test_the_row_share_is_what_a_forward_saves_over_fewer_rows(monkeypatch):
+    """A forward over ``n`` of ``rows`` rows costing ``(1 - s) + s n / rows`` of a full one reads back as ``s``; the
+    narrower forward is timed batch-shaped (padding, masked slots), and the share stays within 0..1."""
+    from hf_retrace.tuning import costs as costs_module
+
+    def probe_at(share):
+        def make(target, max_drafts, context_length, rows, batched=None):
+            assert batched and rows == 2  # half of 4 rows, shaped as the batch loop runs it
+            return lambda k: ((1 - share) + share * rows / 4) * (1 + k)
+        return make
+
+    def full(k):  # the 4-row forward
+        return 1.0 + k
+
+    for share in (0.0, 0.5, 1.0):
+        monkeypatch.setattr(costs_module, "_verify_probe", probe_at(share))
+        assert costs_module.measure_row_share(None, 8, 4, probe=full) == pytest.approx(share)
+    monkeypatch.setattr(costs_module, "_verify_probe", lambda *a, **k: lambda k: 3.0 * (1 + k))  # slower with fewer
+    assert costs_module.measure_row_share(None, 8, 4, probe=lambda k: 1.0 + k) == 0.0
+
+
 def test_each_batch_size_is_tuned_and_cached_apart_and_plain_where_a_batch_does_not_pay(cache_dir, monkeypatch, pair):
     target, drafter = pair
     monkeypatch.setattr(auto, "records_of", lambda d: _records(0.35, loops=False))  # drafts on FLAT, plain on ROWS
