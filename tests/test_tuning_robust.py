@@ -631,9 +631,8 @@ def test_a_row_of_a_batch_drafts_without_the_guard_which_would_save_nothing_ther
     assert replay(records.greedy, policy, 7, rows=4)["plain_steps"] == unguarded
     target, drafter = pair
     batch = left_padded([[3, 4, 5], [6, 7]], pad=0)
-    config = dataclasses.replace(target.generation_config) if dataclasses.is_dataclass(
-        target.generation_config) else target.generation_config
-    loop = BatchedLoop(target, drafter, batch["input_ids"], batch["attention_mask"], config, None, None, policy)
+    loop = BatchedLoop(target, drafter, batch["input_ids"], batch["attention_mask"], target.generation_config, None,
+                       None, policy)
     try:
         assert all(row.generator.round.guard is None for row in loop.rows)
     finally:

@@ -10,8 +10,9 @@ A batch of ``rows`` rows (:func:`lockstep_cost`) runs its rows' rounds together,
 recorded answers are taken ``rows`` at a time, each row walks its own rounds, and round ``r`` of the batch costs the
 drafter once plus the verify of its widest row still running; the batch lasts as long as its slowest row, and plain
 batched decoding as long as its longest answer. Pooling every row's rounds instead (a round's width drawn from all of
-them, :func:`batch_round_cost`) read 1.28-1.37x too high at 4 and 8 rows on the shipped drafter's recorded prompts:
-a batch's rows differ (18 to 89 rounds for 28 to 128 tokens), and the slowest sets the time.
+them, :func:`batch_round_cost`) ignores that a batch's rows differ (the shipped drafter's recorded prompts take 18 to
+89 rounds for 28 to 128 tokens) and that the slowest sets the time: with no credit for rows finishing early, the
+lockstep figure read 22 % under the pooled one at 4 and at 8 rows on an EPYC (docs/design/batching.md).
 
 Example::
 
@@ -102,9 +103,8 @@ def lockstep_cost(policy: RoundPolicy, widths: Sequence[Sequence[int]], tokens: 
         plain += max(tokens[i] for i in batch)
         for r in range(max(len(widths[i]) for i in batch)):
             running = [widths[i][r] for i in batch if r < len(widths[i])]
-            widest = max(running)
-            cost = verify_cost(policy.verify_costs, widest) if policy.verify_costs is not None else 1.0 + widest
-            drafted += ((policy.draft_cost or 0.0) + cost) * (1 - row_share + row_share * len(running) / rows)
+            # the drafter runs for every row each round (a lookup or plain row too): a drafter round's cost
+            drafted += policy.round_cost(max(running), False) * (1 - row_share + row_share * len(running) / rows)
     return plain, drafted
 
 
