@@ -781,6 +781,96 @@ def test_an_unsettled_tuning_is_tried_again_in_the_same_process_after_a_while(ca
     assert len(calls) == 3
 
 
+@pytest.fixture
+def two_threads():
+    """The process runs 2 intra-op threads for the test (the suite runs 1: tests/conftest.py), then 1 again."""
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(1)
+
+
+def _stand_in(costs: MachineCosts, seen: list):
+    """A fake ``costs.measure_costs`` for the stand-in: records the threads it ran with, returns ``costs``."""
+    def measure(target, drafter, max_drafts=16, rows=1):
+        seen.append((torch.get_num_threads(), rows))
+        return costs
+    return measure
+
+
+def test_a_busy_cpu_is_timed_again_with_half_the_threads_and_their_choice_is_used_uncached(
+        cache_dir, monkeypatch, pair, capsys, two_threads):
+    target, drafter = pair
+    busy = dataclasses.replace(ROWS, settled=False, timed_out=True, step_seconds=0.15)  # all threads: never settles
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: busy)
+    seen = []
+    monkeypatch.setattr(costs_module, "measure_costs", _stand_in(FLAT, seen))  # one thread: steady, drafting pays
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.8, loops=True))
+    result = auto.tune(target, drafter)
+    assert seen == [(1, 1)] and torch.get_num_threads() == 2  # half the threads, then the process's again
+    clean = choose_policies(_records(0.8, loops=True), FLAT, auto.shipped_policy(drafter.config))
+    for name in auto.NAMES:
+        policy = RoundPolicy.from_dict(result["policies"][name])
+        assert policy.source == "tuned" and policy.confidence_cut == clean[name].confidence_cut
+        assert policy.lookup_cap == clean[name].lookup_cap and "timed with 1 of 2 threads" in policy.reason
+    assert result["unsettled"] and not result["cacheable"] and result["costs"]["threads"] == 1
+    assert len(result["measurements"]) == 2 and not result["measurements"][0]["settled"]
+    assert "timed with 1 instead they settled" in result["note"] and "did not finish within its 15 s" in result["note"]
+    # through a call: used for the process, nothing cached, measured again later
+    policy = auto.auto_policy(drafter, target, target.generation_config)
+    assert policy.source == "tuned" and policy.speculate and not list(cache_dir.glob("policies/*.json"))
+    assert "not cached: this machine's timings with its 2 threads stayed too noisy" in capsys.readouterr().err
+    assert list(auto._RETRY.values())[0][1] == auto.RETRIES
+
+
+def test_a_stand_in_never_proves_plain_decoding_and_one_that_stays_noisy_keeps_the_shipped_policy(
+        cache_dir, monkeypatch, pair, two_threads):
+    target, drafter = pair
+    busy = dataclasses.replace(ROWS, settled=False, spread=0.7)
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: busy)
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.35, loops=False))  # plain on ROWS' costs
+    seen = []
+    monkeypatch.setattr(costs_module, "measure_costs", _stand_in(ROWS, seen))
+    result = auto.tune(target, drafter)
+    assert len(seen) == 1 and result["costs"]["threads"] == 1
+    for name in auto.NAMES:  # its replay says plain: one stand-in decides no such thing
+        policy = RoundPolicy.from_dict(result["policies"][name])
+        assert policy.speculate and policy.source == "shipped"
+    monkeypatch.setattr(costs_module, "measure_costs", _stand_in(busy, seen))  # the stand-in is noisy too
+    result = auto.tune(target, drafter)
+    assert len(seen) == 2 and not result["cacheable"] and "the shipped policy is used for now" in result["note"]
+    assert all(RoundPolicy.from_dict(p).speculate and p["source"] == "shipped" for p in result["policies"].values())
+
+
+def test_no_stand_in_with_one_thread_on_an_accelerator_or_for_a_batch(monkeypatch, pair, two_threads):
+    target, drafter = pair
+    seen = []
+    monkeypatch.setattr(costs_module, "measure_costs", _stand_in(FLAT, seen))
+    torch.set_num_threads(1)
+    assert costs_module.measure_costs_fewer_threads(target, drafter) is None and not seen
+    torch.set_num_threads(2)
+    monkeypatch.setattr(type(drafter), "device", property(lambda self: torch.device("meta")))
+    assert costs_module.measure_costs_fewer_threads(target, drafter) is None and not seen
+    monkeypatch.undo()
+    # a batch's choice needs a real A/B that a busy machine cannot give: no stand-in, the shipped policy
+    monkeypatch.setattr(auto, "measure_costs", lambda *a, **k: dataclasses.replace(ROWS, settled=False, spread=0.7))
+    monkeypatch.setattr(auto, "measure_costs_fewer_threads", lambda *a, **k: pytest.fail("no stand-in for a batch"))
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.8, loops=True))
+    result = auto.tune(target, drafter, rows=4)
+    assert all(p["source"] == "shipped" for p in result["policies"].values())
+
+
+def test_the_threads_come_back_when_the_stand_in_fails(monkeypatch, pair, two_threads):
+    target, drafter = pair
+
+    def broken(*a, **k):
+        raise RuntimeError("a forward failed")
+
+    monkeypatch.setattr(costs_module, "measure_costs", broken)
+    with pytest.raises(RuntimeError, match="a forward failed"):
+        costs_module.measure_costs_fewer_threads(target, drafter)
+    assert torch.get_num_threads() == 2
+
+
 def test_retries_in_a_process_are_bounded(cache_dir, monkeypatch, pair):
     target, drafter = pair
     busy = dataclasses.replace(ROWS, spread=0.5, settled=False)

@@ -3,8 +3,9 @@
 The precedence (a view, then ``HF_RETRACE_POLICY``, then the tuned policy) is written once, in docs/round-policy.md.
 The tuned policy: at the first ``generate`` with a drafter, keyed by the target's and drafter's fingerprints, the
 dtype, the device, the CPU's model and flags, the thread count and the torch / transformers versions, this machine's
-costs are measured (:mod:`.costs`; timings too noisy to decide on keep the shipped policy, uncached, and are
-measured again by the first call :data:`RETRY_SECONDS` later, :data:`RETRIES` times at most a process), the drafter's
+costs are measured (:mod:`.costs`; timings too noisy to decide on are timed again with half the threads, whose choice,
+or else the shipped policy, is used uncached, and are measured again by the first call :data:`RETRY_SECONDS` later,
+:data:`RETRIES` times at most a process), the drafter's
 recorded rounds replayed (:mod:`.search`; plain decoding only where two measurements agree), and the choice cached as
 JSON in ``$HF_RETRACE_CACHE/policies`` (default ``~/.cache/hf_retrace/policies``). Later processes read it in
 milliseconds. An entry is checked field by field on read; an unreadable, stale or invalid one is measured again, never
@@ -38,7 +39,7 @@ from ..atomic import write_text_atomically
 from ..defaults import cache_root
 from ..machine import cpu_info
 from ..generation.policy import CacheOrigin, RoundPolicy, shipped_policy
-from .costs import MachineCosts, measure_costs
+from .costs import MachineCosts, measure_costs, measure_costs_fewer_threads
 from .records import RECORDS_FILENAME, RoundRecords
 from .search import LOOKUP_BUDGETS, PLAIN_MARGIN, choose_policies
 
@@ -131,6 +132,9 @@ REALIZED_TOKENS = 256  # committed in drafting rounds before the first calls' re
 REALIZED_TOLERANCE = 0.15  # realized vs predicted tokens per step-cost: a wider gap is measured again
 UNSETTLED = ("this machine's timings stayed too noisy to decide on ({why}); the shipped policy is used for now, "
              "measured again in this process after {retry:.0f} s (at most {retries} times), and by the next process")
+STAND_IN = ("this machine's timings with its {threads} threads stayed too noisy to decide on ({why}); timed with "
+            "{fewer} instead they settled, and their choice is used for now (never plain decoding), measured again in "
+            "this process after {retry:.0f} s (at most {retries} times), and by the next process")
 RETRY_SECONDS = 60.0  # an unsettled tuning is tried again by the first call this long after it (a busy moment passes)
 RETRIES = 2  # per process
 PROBE_AFTER = 3  # plain calls (per process and temperature) before the first that drafts to check a plain choice
@@ -148,7 +152,9 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
     (``policies``, ``costs``, ``tables``, ``seconds``, ``measurements``, and ``cacheable`` with ``note`` saying why
     not).
 
-    Timings too noisy to decide on (:attr:`MachineCosts.settled` False) keep the shipped policy, uncached. Plain
+    Timings too noisy to decide on (:attr:`MachineCosts.settled` False) are timed again with half the intra-op
+    threads (a CPU busy with another process: :func:`.costs.measure_costs_fewer_threads`; batch 1 only): where those
+    settle, their choice is used, else the shipped policy; uncached either way. Plain
     decoding is a decision that must be proved: where the first measurement finds nothing that pays, the costs are
     measured again, independently, and plain stands only where both agree (else the drafting choice of the second)."""
     started = time.perf_counter()
@@ -157,6 +163,12 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
     base = shipped_policy(drafter.config)
     costs = measure_costs(target, drafter, max_drafts=longest, rows=rows)
     result: dict[str, Any] = {"costs": costs.to_dict(), "measurements": [costs.to_dict()]}
+    if not costs.settled and rows == 1:  # (a batch's choice needs a real A/B, which a busy machine cannot give)
+        stand_in = measure_costs_fewer_threads(target, drafter, max_drafts=longest)
+        if stand_in is not None:
+            result["measurements"].append(stand_in.to_dict())
+            if stand_in.settled:
+                return _stand_in_choice(result, records, costs, stand_in, base, started)
     if not costs.settled:
         policies = {name: _unsettled(costs, base) for name in NAMES}
         result["unsettled"] = True
@@ -181,6 +193,21 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
                 choice[name] = choice[name].replace(reason=choice[name].reason + "; two measurements agree")
     note = _check_batch(target, drafter, records, choice, result, rows) if rows > 1 and records is not None else ""
     return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started, note)
+
+
+def _stand_in_choice(result: dict[str, Any], records: RoundRecords | None, costs: MachineCosts,
+                     stand_in: MachineCosts, base: RoundPolicy, started: float) -> dict[str, Any]:
+    """The replay's choice under ``stand_in`` (settled costs timed with fewer threads, where ``costs`` with all of
+    them were not) for this process, uncached and measured again later; a choice of plain decoding keeps the shipped
+    policy instead (a stand-in never proves plain)."""
+    choice = _choose(records, stand_in, base)
+    timed = f"timed with {stand_in.threads} of {torch.get_num_threads()} threads on a busy machine"
+    policies = {name: choice[name].replace(reason=f"{choice[name].reason}; {timed}") if choice[name].speculate
+                else _unsettled(stand_in, base) for name in NAMES}
+    result.update(costs=stand_in.to_dict(), unsettled=True)
+    note = STAND_IN.format(threads=torch.get_num_threads(), why=costs.unsettled_cause(), fewer=stand_in.threads,
+                           retry=RETRY_SECONDS, retries=RETRIES)
+    return _finish(result, policies, choice["tables"], started, note)
 
 
 def _check_batch(target: Any, drafter: Any, records: RoundRecords, choice: dict[str, Any], result: dict[str, Any],

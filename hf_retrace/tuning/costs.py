@@ -6,7 +6,10 @@ that lasts cancels in the ratio), every ``k`` at least :data:`MIN_PASSES` times 
 ratio per ``k`` kept, the curve fitted monotone by isotonic regression (one high ``k`` is pooled with its
 neighbours, not carried to every longer ``k``) and checked against the one-token step of the same window. When the
 repeats disagree (:data:`SPREAD_LIMIT`) or a verify costs more than its tokens as separate steps, the timing is done
-again; when that stays so, the costs say ``settled=False`` and the tuner keeps the shipped policy uncached.
+again; when that stays so, the costs say ``settled=False``. A CPU busy with another process is then timed with half
+the intra-op threads (:func:`measure_costs_fewer_threads`): a one-token step with both of 2 threads, one core taken
+by a busy loop, took 135-172 ms and never settled, while one thread beside the same loop settled every time and chose
+what the idle machine chooses (``docs/round-policy.md``); the tuner uses that choice for the process, uncached.
 
 Example::
 
@@ -40,8 +43,8 @@ from ..generation.placement import synchronize
 from ..generation.policy import LOOKUP_COST, RoundPolicy, verify_cost
 from ..generation.target_features import cache_kwargs
 
-__all__ = ["MachineCosts", "VerifyFit", "batch_probe_mask", "fit_verify_costs", "measure_costs", "measure_draft_cost",
-           "measure_row_share", "measure_verify_costs", "sample_verify_ratios", "timed"]
+__all__ = ["MachineCosts", "VerifyFit", "batch_probe_mask", "fit_verify_costs", "measure_costs", "measure_costs_fewer_threads",
+           "measure_draft_cost", "measure_row_share", "measure_verify_costs", "sample_verify_ratios", "timed"]
 
 PROBE_POINTS = (1, 2, 3, 4, 8, 16)  # timed against a one-token forward; the k between are interpolated
 SHORT_DRAFTS = 4  # verifies this short get the passes past MIN_PASSES (the common case, and the cheap one)
@@ -74,7 +77,9 @@ class MachineCosts:
     ``rows``: the batch size every forward was timed at (the unit is then a ``rows``-row one-token step);
     ``timed_out``: the measurement ran past :data:`MEASURE_SECONDS` before its passes were done (a busy machine);
     ``row_share``: in a batch, the share of a forward's time that scales with its rows (a forward over ``n`` of the
-    ``rows`` rows costs ``(1 - row_share) + row_share * n / rows`` of one over all: :func:`measure_row_share`).
+    ``rows`` rows costs ``(1 - row_share) + row_share * n / rows`` of one over all: :func:`measure_row_share`);
+    ``threads``: the intra-op threads the forwards were timed with where fewer than the process's (a busy CPU's
+    stand-in, :func:`measure_costs_fewer_threads`), 0 where the process's own.
     """
 
     verify_costs: tuple[float, ...]
@@ -87,6 +92,7 @@ class MachineCosts:
     rows: int = 1
     timed_out: bool = False
     row_share: float = 0.0
+    threads: int = 0
 
     def unsettled_cause(self) -> str:
         """Why the timings decide nothing, in words ("" when settled)."""
@@ -128,7 +134,8 @@ class MachineCosts:
         return cls(tuple(data["verify_costs"]), float(data["draft_cost_chunk"]), float(data["draft_cost_full"]),
                    float(data["step_seconds"]), bool(data.get("drafter_first", False)),
                    float(data.get("spread", 0.0)), bool(data.get("settled", True)), int(data.get("rows", 1)),
-                   bool(data.get("timed_out", False)), float(data.get("row_share", 0.0)))
+                   bool(data.get("timed_out", False)), float(data.get("row_share", 0.0)),
+                   int(data.get("threads", 0)))
 
 
 def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -410,3 +417,26 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
     share = measure_row_share(target, context_length, rows, probe) if rows > 1 and not late else 0.0
     return MachineCosts(tuple(fit.costs), chunk, full, step, drafter_first, fit.spread, fit.settled and finished,
                         rows, timed_out=not finished, row_share=share)
+
+
+def measure_costs_fewer_threads(target: Any, drafter: Any, **kwargs: Any) -> MachineCosts | None:
+    """:func:`measure_costs` (``kwargs``) with half the process's intra-op threads, at least one, restored after:
+    the costs a CPU busy with another process still lets be timed steadily, standing in for those of all its threads
+    (``threads`` says how many ran). None where there is nothing to halve: one thread, or a model on an accelerator.
+
+    Why: on a 2-core EPYC with one core taken by a busy loop, a one-token step with both threads took 135-172 ms
+    (42-63 idle) and its repeats spread 0.65-0.85, while with one thread beside the same loop it took 56-62 ms, spread
+    0.03-0.11, and the replay chose cut 0.2 with lookup 4..32 (3 of 3), as the idle machine's tunings with both
+    threads did (cut 0.2 or 0.3 with lookup 4..32, 3 of 3). The stand-in prices long verifies a little high (one thread is compute-bound sooner: 32 drafts 1.7-2.1
+    steps against 1.6-1.8), so it errs towards shorter rounds, never towards plain decoding."""
+    threads = torch.get_num_threads()
+    devices = (target.get_input_embeddings().weight.device, drafter.device)
+    if threads < 2 or any(on_accelerator(device) for device in devices):
+        return None
+    fewer = threads // 2
+    torch.set_num_threads(fewer)
+    try:
+        costs = measure_costs(target, drafter, **kwargs)
+    finally:
+        torch.set_num_threads(threads)
+    return replace(costs, threads=fewer)

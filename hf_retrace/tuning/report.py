@@ -43,6 +43,8 @@ def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
     how = f"largest spread between repeats {costs.get('spread', 0.0):.2f}"
     if costs.get("timed_out"):
         how = "cut short at its deadline"
+    if costs.get("threads"):
+        how = f"the one decided on timed with {costs['threads']} thread{'s' * (costs['threads'] > 1)}, " + how
     print(f"[hf-retrace] tuning took {result['seconds']:.1f} s ({measured} cost measurement{'s' * (measured > 1)}; "
           f"{how})")
     if result.get("note") and result.get("cache_note") != result["note"]:  # (else the cache line says it)
