@@ -13,8 +13,6 @@ second turns).
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from collections.abc import Sequence
 
@@ -23,22 +21,14 @@ KINDS = ["GSM8K train", "MATH train", "ShareGPT first turns", "library code", "S
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hf_retrace.defaults import default_drafter_path
     from hf_retrace.generation.policy import RoundPolicy
-    from hf_retrace.tuning.records import RoundRecords
+    from hf_retrace.tuning.records import replay_inputs
     from hf_retrace.tuning.replay import replay
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--policy", required=True, help="a policy cache entry or `hf-retrace tune --json` file")
-    parser.add_argument("--drafter", default=None, help="the drafter folder whose recorded rounds to replay "
-                        "(default: the shipped one)")
-    args = parser.parse_args(argv)
-    with open(args.policy, encoding="utf-8") as f:
-        entry = json.load(f)
+    entry, records = replay_inputs(argv, __doc__.split("\n\n")[0])
     policy = RoundPolicy.from_dict(entry["policies"]["greedy"])
     if not policy.speculate:
-        sys.exit(f"{args.policy}: the T=0 choice is plain decoding; there is no drafting policy to replay")
-    records = RoundRecords.load(args.drafter or default_drafter_path())
+        sys.exit("the --policy file's T=0 choice is plain decoding; there is no drafting policy to replay")
     answers, kinds = records.greedy, len(KINDS)
     print(f"T=0 choice: {policy.describe()}\n")
     print("| recorded prompts | prompts | predicted tokens per step-cost | τ |\n|---|---|---|---|")

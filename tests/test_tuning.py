@@ -369,3 +369,37 @@ def test_the_replay_by_kind_splits_the_recorded_prompts_as_they_alternate(tmp_pa
     assert figures["GSM8K train"] == pytest.approx(replay(right, policy, 7)["tokens_per_cost"], abs=0.005)
     assert figures["GSM8K train"] > 2 > figures["MATH train"] == figures["second turns"]
     assert [int(row[1]) for row in rows[1:]] == [12, 2, 2, 2, 2, 2, 2]
+
+
+def test_the_width_cap_replay_caps_every_round_and_refuses_a_batch_1_entry(tmp_path, capsys):
+    """examples/replay_width_cap.py: each row is the lockstep replay of the entry's knobs with every round's drafts
+    (the drafter's and a lookup copy) capped, at the entry's rows and row share; a batch-1 entry is refused."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    from hf_retrace.tuning.replay import replay
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = importlib.util.spec_from_file_location("replay_width_cap", examples / "replay_width_cap.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    _records(0.9, loops=True).save(tmp_path)
+    costs = dataclasses.replace(ROWS, rows=4, row_share=0.5)
+    policy = costs.arm(RoundPolicy(confidence_cut=None, lookup=True, lookup_start=3, lookup_cap=16))
+    entry = {"costs": costs.to_dict(), "policies": {"greedy": policy.replace(speculate=False).to_dict()}}
+    (tmp_path / "entry.json").write_text(json.dumps(entry))
+    assert module.main(["--policy", str(tmp_path / "entry.json"), "--drafter", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and "---" not in line][1:]
+    figures = {int(row[0].strip("| ")): (float(row[1]), float(row[2].strip(" |"))) for row in rows}
+    assert sorted(figures) == sorted(module.CAPS)
+    answers = _records(0.9, loops=True).greedy
+    capped = policy.replace(lookup_cap=2, lookup_start=2)
+    expected = replay(answers, capped, 2, rows=4, row_share=0.5)
+    assert figures[2][0] == pytest.approx(expected["tokens_per_cost"], abs=5e-4)
+    assert figures[2][1] == pytest.approx(expected["tau"], abs=5e-3)
+    assert figures[2][1] < figures[7][1] and figures[2][1] <= 3  # at most 2 drafts and the bonus a round
+    (tmp_path / "one.json").write_text(json.dumps({**entry, "costs": ROWS.to_dict()}))
+    with pytest.raises(SystemExit, match="tuned at batch size 1"):
+        module.main(["--policy", str(tmp_path / "one.json"), "--drafter", str(tmp_path)])

@@ -8,7 +8,7 @@ neighbours, not carried to every longer ``k``) and checked against the one-token
 repeats disagree (:data:`SPREAD_LIMIT`) or a verify costs more than its tokens as separate steps, the timing is done
 again; when that stays so, the costs say ``settled=False``. A CPU busy with another process is then timed with half
 the intra-op threads (:func:`measure_costs_fewer_threads`): a one-token step with both of 2 threads, one core taken
-by a busy loop, took 135-172 ms and never settled, while one thread beside the same loop settled every time and chose
+by a busy loop, took 116-228 ms and never settled, while one thread beside the same loop settled every time and chose
 what the idle machine chooses (``docs/round-policy.md``); the tuner uses that choice for the process, uncached.
 
 Example::
@@ -43,8 +43,9 @@ from ..generation.placement import synchronize
 from ..generation.policy import LOOKUP_COST, RoundPolicy, verify_cost
 from ..generation.target_features import cache_kwargs
 
-__all__ = ["MachineCosts", "VerifyFit", "batch_probe_mask", "fit_verify_costs", "measure_costs", "measure_costs_fewer_threads",
-           "measure_draft_cost", "measure_row_share", "measure_verify_costs", "sample_verify_ratios", "timed"]
+__all__ = ["MachineCosts", "VerifyFit", "batch_probe_mask", "fit_verify_costs", "measure_costs",
+           "measure_costs_fewer_threads", "measure_draft_cost", "measure_row_share", "measure_verify_costs",
+           "sample_verify_ratios", "timed"]
 
 PROBE_POINTS = (1, 2, 3, 4, 8, 16)  # timed against a one-token forward; the k between are interpolated
 SHORT_DRAFTS = 4  # verifies this short get the passes past MIN_PASSES (the common case, and the cheap one)
@@ -420,15 +421,16 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
 
 
 def measure_costs_fewer_threads(target: Any, drafter: Any, **kwargs: Any) -> MachineCosts | None:
-    """:func:`measure_costs` (``kwargs``) with half the process's intra-op threads, at least one, restored after:
-    the costs a CPU busy with another process still lets be timed steadily, standing in for those of all its threads
+    """:func:`measure_costs` (``kwargs``) with half the process's intra-op threads, at least one, restored after: the
+    costs a CPU busy with another process still lets be timed steadily, standing in for those of all its threads
     (``threads`` says how many ran). None where there is nothing to halve: one thread, or a model on an accelerator.
 
-    Why: on a 2-core EPYC with one core taken by a busy loop, a one-token step with both threads took 135-172 ms
-    (42-63 idle) and its repeats spread 0.65-0.85, while with one thread beside the same loop it took 56-62 ms, spread
-    0.03-0.11, and the replay chose cut 0.2 with lookup 4..32 (3 of 3), as the idle machine's tunings with both
-    threads did (cut 0.2 or 0.3 with lookup 4..32, 3 of 3). The stand-in prices long verifies a little high (one thread is compute-bound sooner: 32 drafts 1.7-2.1
-    steps against 1.6-1.8), so it errs towards shorter rounds, never towards plain decoding."""
+    Why: on a 2-core EPYC with one core taken by a busy loop, a one-token step with both threads took 116-228 ms
+    (42-63 idle) and its repeats spread 0.65-0.85, while with one thread beside the same loop it took 56-62 ms,
+    spread 0.03-0.11, and the replay chose cut 0.2 with lookup 4..32 (3 of 3), as the idle machine's tunings with
+    both threads did (cut 0.2 or 0.3 with lookup 4..32, 3 of 3). The stand-in prices long verifies a little high
+    (one thread is compute-bound sooner: 32 drafts 1.7-2.1 steps against 1.6-1.8), so it errs towards shorter
+    rounds, never towards plain decoding."""
     threads = torch.get_num_threads()
     devices = (target.get_input_embeddings().weight.device, drafter.device)
     if threads < 2 or any(on_accelerator(device) for device in devices):

@@ -99,3 +99,23 @@ class RoundRecords:
         except (OSError, EOFError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"{path} is not readable round records ({e}); re-record them with "
                              "`hf-retrace calibrate --drafter FOLDER --write`.") from e
+
+
+def replay_inputs(argv: Any, description: str) -> tuple[dict[str, Any], "RoundRecords"]:
+    """What the replay examples (``examples/replay_by_kind.py``, ``examples/replay_width_cap.py``) read from their
+    command line ``argv``: ``--policy`` (a policy cache entry or ``hf-retrace tune --json`` file, as a dict) and the
+    recorded rounds of ``--drafter`` (default: the shipped drafter). A file that does not parse exits with its name."""
+    import argparse
+
+    from ..defaults import default_drafter_path
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--policy", required=True, help="a policy cache entry or `hf-retrace tune --json` file")
+    parser.add_argument("--drafter", default=None, help="the drafter folder whose recorded rounds to replay "
+                        "(default: the shipped one)")
+    args = parser.parse_args(argv)
+    try:
+        entry = json.loads(Path(args.policy).read_text(encoding="utf-8"))
+        return entry, RoundRecords.load(args.drafter or default_drafter_path())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{args.policy}: {e}") from e
