@@ -16,7 +16,8 @@ shipped policy, with the guard armed by the measured costs.
 A batch of ``B`` rows is priced apart, at its first call (``rows=B``; one entry per batch size): the costs are
 timed at ``B`` rows (:func:`.costs.measure_costs`), so a verify of ``B`` rows of ``k + 1`` tokens is weighed
 against plain batched decoding's ``B``-row step; the same replay chooses, each round priced by its widest row, and a
-drafting choice is kept only where a real A/B against plain batched decoding agrees (:func:`.verify.batch_check`).
+drafting choice is kept only where a real A/B against plain batched decoding agrees
+(:func:`.verify.check_batch_choice`).
 
 One line on stderr says when a call tunes, what it chose, and whether it was cached.
 """
@@ -42,6 +43,7 @@ from ..generation.policy import CacheOrigin, RoundPolicy, shipped_policy
 from .costs import MachineCosts, measure_costs, measure_costs_fewer_threads
 from .records import RECORDS_FILENAME, RoundRecords
 from .search import LOOKUP_BUDGETS, PLAIN_MARGIN, choose_policies
+from .verify import check_batch_choice
 
 __all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine_key", "note_realized",
            "policy_cache_dir", "realized_figure", "records_of", "tune", "tune_and_cache", "tuned_policies"]
@@ -191,7 +193,8 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
                 choice["tables"][name] = again["tables"].get(name, [])
             else:
                 choice[name] = choice[name].replace(reason=choice[name].reason + "; two measurements agree")
-    note = _check_batch(target, drafter, records, choice, result, rows) if rows > 1 and records is not None else ""
+    note = check_batch_choice(target, drafter, records, choice, result, rows) if rows > 1 and records is not None \
+        else ""
     return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started, note)
 
 
@@ -208,61 +211,6 @@ def _stand_in_choice(result: dict[str, Any], records: RoundRecords | None, costs
     note = STAND_IN.format(threads=torch.get_num_threads(), why=costs.unsettled_cause(), fewer=stand_in.threads,
                            retry=RETRY_SECONDS, retries=RETRIES)
     return _finish(result, policies, choice["tables"], started, note)
-
-
-def _check_batch(target: Any, drafter: Any, records: RoundRecords, choice: dict[str, Any], result: dict[str, Any],
-                 rows: int) -> str:
-    """Each choice for a batch of ``rows``, checked by a real A/B against plain batched decoding on the recorded
-    prompts (:func:`.verify.batch_check`). A drafting choice, or where the replay chose plain the best replayed
-    drafting policy (a plain choice keeps its knobs): kept where it pays over all the A/B's batches (1 +
-    ``PLAIN_MARGIN``); else the drafter's shipped constants (a narrower round: the replay's choice is often the widest,
-    which a batch pays for in every row) get their own A/B and are kept where they pay; plain batched decoding stands
-    where every half of both A/Bs is under the margin (two measurements agree). Otherwise (a half over, the whole
-    under) the better of the two drafts for this process, uncached (returns why). Changes ``choice`` and records the
-    A/Bs in ``result["batch_check"]``. Why a replayed plain is checked too: the replay prices a batch from timed
-    forwards and recorded rounds, and a model of that kind was off by 25-45 % at 4 and 8 rows before the forwards were
-    timed as the batch loop runs them (``docs/design/batching.md``)."""
-    from .verify import batch_check
-
-    note = ""
-    checked = result.setdefault("batch_check", {})
-    for name, answers in (("greedy", records.greedy), ("sampled", records.sampled)):
-        if not answers:
-            continue
-        policy = choice[name]
-        replayed_plain = not policy.speculate
-        if replayed_plain:  # its knobs are the best replayed drafting policy's (search._plain)
-            policy = policy.replace(speculate=True, source="tuned", reason="the best replayed drafting policy")
-        sampling = {"do_sample": False} if name == "greedy" else {"do_sample": True, "temperature": records.temperature}
-        tried = [(policy, batch_check(target, drafter, policy, answers, rows, sampling))]
-        checked[name] = tried[0][1].to_dict()
-        shipped = policy.replace(**_shipped_knobs(drafter, policy), source="shipped", expected_speedup=None)
-        if not tried[0][1].wins(PLAIN_MARGIN) and shipped != policy:
-            tried.append((shipped, batch_check(target, drafter, shipped, answers, rows, sampling)))
-            checked[f"{name}_shipped"] = tried[1][1].to_dict()
-        said = "; the drafter's shipped constants ".join(ab.said() for _, ab in tried)
-        best, ab = max(tried, key=lambda pair: pair[1].pooled)
-        if ab.wins(PLAIN_MARGIN):
-            choice[name] = best.replace(reason=f"a real A/B at batch {rows} on the recorded prompts realized {said}")
-        elif all(ab.loses(PLAIN_MARGIN) for _, ab in tried):
-            predicted = "plain" if replayed_plain else policy.expected_speedup
-            choice[name] = policy.replace(speculate=False, expected_speedup=None, reason=(
-                f"at batch {rows} a real A/B on the recorded prompts realized {said} against plain batched decoding "
-                f"(the replay predicted {predicted}), under 1 + {PLAIN_MARGIN:g}"))
-            result["plain_measurements"] = 2 * len(tried)
-        else:
-            choice[name] = best
-            note = (f"a real A/B at batch {rows} did not agree with itself ({said}); drafting is kept for this "
-                    "process, and the next one measures again")
-    return note
-
-
-def _shipped_knobs(drafter: Any, policy: RoundPolicy) -> dict[str, Any]:
-    """The round knobs of the drafter's shipped constants (cut, lookup), to put on ``policy`` (its armed costs and
-    proposal mode kept)."""
-    base = shipped_policy(drafter.config)
-    return {"confidence_cut": base.confidence_cut, "lookup": base.lookup, "lookup_start": base.lookup_start,
-            "lookup_cap": base.lookup_cap}
 
 
 def _choose(records: RoundRecords | None, costs: MachineCosts, base: RoundPolicy) -> dict[str, Any]:

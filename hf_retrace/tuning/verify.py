@@ -4,7 +4,8 @@ drafter's recorded prompts, each policy's predicted tokens per step-cost beside 
 Decode time excludes the prefill (a plain one-token ``generate`` per prompt, timed once, is subtracted), so the
 realized figure compares with the replay's, which prices decoding rounds only.
 
-A batch's choice is checked the same way before it is kept (:func:`batch_check`): the replay's batch figure missed
+A batch's choice is checked the same way before the tuner keeps it (:func:`check_batch_choice`, each A/B a
+:func:`batch_check`): the replay's batch figure missed
 by 22-30 %, in the verify forwards (docs/design/batching.md; on a Xeon with AMX, bf16, it predicted 1.87 / 1.56 /
 1.28 tokens per step-cost at 2 / 4 / 8 rows, and the benchmark realized 1.07-1.72x / 0.99-1.41x / 0.77-1.00x).
 
@@ -26,9 +27,10 @@ from ..generation.placement import synchronize
 from ..generation.policy import RoundPolicy, shipped_policy
 from .costs import MachineCosts
 from .records import AnswerRecord, RoundRecords
-from .search import lookup_changes, runner_up
+from .search import PLAIN_MARGIN, lookup_changes, runner_up
 
-__all__ = ["BATCH_CHECK_PROMPTS", "BATCH_CHECK_TOKENS", "BatchAB", "batch_check", "verify_arms", "verify_tuning"]
+__all__ = ["BATCH_CHECK_PROMPTS", "BATCH_CHECK_TOKENS", "BatchAB", "batch_check", "check_batch_choice", "verify_arms",
+           "verify_tuning"]
 
 BATCH_CHECK_TOKENS = 48  # new tokens per row in each arm of a batch's A/B
 BATCH_CHECK_PROMPTS = 16  # recorded prompts per A/B, in batches of the call's rows (at least two batches)
@@ -175,3 +177,56 @@ def batch_check(target: Any, drafter: Any, policy: RoundPolicy, answers: list[An
     plain, drafted = (sum(column) for column in zip(*totals))
     return BatchAB(max(plain, 1e-9) / max(drafted, 1e-9),
                    tuple(max(p, 1e-9) / max(d, 1e-9) for p, d in totals))
+
+
+def check_batch_choice(target: Any, drafter: Any, records: RoundRecords, choice: dict[str, Any], result: dict[str, Any],
+                 rows: int) -> str:
+    """Each choice for a batch of ``rows``, checked by a real A/B against plain batched decoding on the recorded
+    prompts (:func:`batch_check`). A drafting choice, or where the replay chose plain the best replayed
+    drafting policy (a plain choice keeps its knobs): kept where it pays over all the A/B's batches (1 +
+    ``PLAIN_MARGIN``); else the drafter's shipped constants (a narrower round: the replay's choice is often the widest,
+    which a batch pays for in every row) get their own A/B and are kept where they pay; plain batched decoding stands
+    where every half of both A/Bs is under the margin (two measurements agree). Otherwise (a half over, the whole
+    under) the better of the two drafts for this process, uncached (returns why). Changes ``choice`` and records the
+    A/Bs in ``result["batch_check"]``. Why a replayed plain is checked too: the replay prices a batch from timed
+    forwards and recorded rounds, and a model of that kind was off by 25-45 % at 4 and 8 rows before the forwards were
+    timed as the batch loop runs them (``docs/design/batching.md``)."""
+    note = ""
+    checked = result.setdefault("batch_check", {})
+    for name, answers in (("greedy", records.greedy), ("sampled", records.sampled)):
+        if not answers:
+            continue
+        policy = choice[name]
+        replayed_plain = not policy.speculate
+        if replayed_plain:  # its knobs are the best replayed drafting policy's (search._plain)
+            policy = policy.replace(speculate=True, source="tuned", reason="the best replayed drafting policy")
+        sampling = {"do_sample": False} if name == "greedy" else {"do_sample": True, "temperature": records.temperature}
+        tried = [(policy, batch_check(target, drafter, policy, answers, rows, sampling))]
+        checked[name] = tried[0][1].to_dict()
+        shipped = policy.replace(**_shipped_knobs(drafter, policy), source="shipped", expected_speedup=None)
+        if not tried[0][1].wins(PLAIN_MARGIN) and shipped != policy:
+            tried.append((shipped, batch_check(target, drafter, shipped, answers, rows, sampling)))
+            checked[f"{name}_shipped"] = tried[1][1].to_dict()
+        said = "; the drafter's shipped constants ".join(ab.said() for _, ab in tried)
+        best, ab = max(tried, key=lambda pair: pair[1].pooled)
+        if ab.wins(PLAIN_MARGIN):
+            choice[name] = best.replace(reason=f"a real A/B at batch {rows} on the recorded prompts realized {said}")
+        elif all(ab.loses(PLAIN_MARGIN) for _, ab in tried):
+            predicted = "plain" if replayed_plain else policy.expected_speedup
+            choice[name] = policy.replace(speculate=False, expected_speedup=None, reason=(
+                f"at batch {rows} a real A/B on the recorded prompts realized {said} against plain batched decoding "
+                f"(the replay predicted {predicted}), under 1 + {PLAIN_MARGIN:g}"))
+            result["plain_measurements"] = 2 * len(tried)
+        else:
+            choice[name] = best
+            note = (f"a real A/B at batch {rows} did not agree with itself ({said}); drafting is kept for this "
+                    "process, and the next one measures again")
+    return note
+
+
+def _shipped_knobs(drafter: Any, policy: RoundPolicy) -> dict[str, Any]:
+    """The round knobs of the drafter's shipped constants (cut, lookup), to put on ``policy`` (its armed costs and
+    proposal mode kept)."""
+    base = shipped_policy(drafter.config)
+    return {"confidence_cut": base.confidence_cut, "lookup": base.lookup, "lookup_start": base.lookup_start,
+            "lookup_cap": base.lookup_cap}
