@@ -403,3 +403,38 @@ def test_the_width_cap_replay_caps_every_round_and_refuses_a_batch_1_entry(tmp_p
     (tmp_path / "one.json").write_text(json.dumps({**entry, "costs": ROWS.to_dict()}))
     with pytest.raises(SystemExit, match="tuned at batch size 1"):
         module.main(["--policy", str(tmp_path / "one.json"), "--drafter", str(tmp_path)])
+
+
+def test_the_two_backend_replay_prices_each_forward_at_the_cheaper_curve(tmp_path, capsys):
+    """examples/replay_two_backends.py: both curves in steps of the faster one-token step, per forward the cheaper;
+    replayed on the shipped drafter's recorded rounds, the cheaper curve never predicts less than either alone, and a
+    curve whose one-token step is the slower reads plain decoding below 1."""
+    import importlib.util
+    from pathlib import Path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = importlib.util.spec_from_file_location("replay_two_backends", examples / "replay_two_backends.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    on = {**FLAT.to_dict(), "step_seconds": 0.040}  # a flat curve at a slow step (oneDNN on a CPU with bf16 units)
+    off = {**ROWS.to_dict(), "step_seconds": 0.025}  # a steep one at a fast step (torch's own kernels)
+    mixed = module.cheaper_per_forward(on, off)
+    assert mixed["step_seconds"] == 0.025
+    assert mixed["verify_costs"][0] == pytest.approx(1.0)  # the one-token step: off's, the faster
+    assert mixed["verify_costs"][32] == pytest.approx((1.0 + 0.01 * 32) * 0.040 / 0.025)  # many tokens: on's
+    assert mixed["verify_costs"][1] == pytest.approx(min(1.01 * 1.6, 1.4))
+    assert mixed["draft_cost_chunk"] == pytest.approx(min(0.05 * 1.6, 0.15))
+    for name, costs in (("on", on), ("off", off)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"costs": costs}))
+    assert module.main(["--on", str(tmp_path / "on.json"), "--off", str(tmp_path / "off.json")]) == 0
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| ") and "---" not in line][1:]
+    plain = {row[0].strip("| "): float(row[1]) for row in rows}
+    greedy = {row[0].strip("| "): float(row[5]) for row in rows}
+    assert plain == {"oneDNN on (torch's default)": pytest.approx(0.625, abs=0.006), "oneDNN off or capped": 1.0,
+                     "per forward the cheaper": 1.0}
+    cheaper = greedy.pop("per forward the cheaper")
+    assert cheaper >= max(greedy.values()) - 0.005
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(SystemExit, match="two `hf-retrace tune --json` files"):
+        module.main(["--on", str(tmp_path / "bad.json"), "--off", str(tmp_path / "off.json")])
