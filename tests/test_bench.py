@@ -291,3 +291,43 @@ def test_cli_end_to_end(assets, tmp_path, capsys, cli_without_training_commands)
     stdout = capsys.readouterr().out
     assert stdout.strip() == markdown_report(report).strip()
     assert (tmp_path / "out.md").is_file() and (tmp_path / "plots" / "tau.png").is_file()
+
+
+def test_plain_without_onednn_runs_its_call_and_prefill_with_onednn_off_and_puts_it_back(assets, monkeypatch):
+    """plain-no-onednn: the call and the prefill timed for it run with torch's oneDNN switched off (its speed-up is
+    over plain with oneDNN as the process has it); plain and the others run as the process has it; the switch is put
+    back after each call, even one that raises."""
+    from hf_retrace.machine import onednn_matmuls
+
+    seen: dict[str, list[bool]] = {}
+    original = loop.timed_generate
+    method_of = iter([])
+
+    def recording(*args, **kwargs):
+        seen.setdefault(next(method_of), []).append(torch.backends.mkldnn.enabled)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(loop, "timed_generate", recording)
+    spec = BenchSpec(datasets=["gsm8k"], methods=["plain", "plain-no-onednn", "prompt-lookup"], temperatures=[0.0],
+                     max_new_tokens=6, limit=1, seeds=[0], target=assets["target"], dtype="fp32", progress=False)
+    method_of = iter(["plain", "plain-no-onednn", "prompt-lookup"] * 4)  # the warm-up's turn, then the prompt's
+    before = torch.backends.mkldnn.enabled
+    report = runner.run_benchmark(spec)
+    assert before is True and torch.backends.mkldnn.enabled is True
+    assert set(seen) == {"plain", "plain-no-onednn", "prompt-lookup"}
+    assert seen["plain-no-onednn"] and not any(seen["plain-no-onednn"])
+    assert all(seen["plain"]) and all(seen["prompt-lookup"])
+    row = report["results"]["gsm8k"]["plain-no-onednn"]["T=0"]
+    assert row["tau"] == 1.0 and row["rounds"] is None and row["draft_cost_c"] is None
+    assert row["mismatches"] == 0 and row["compared_requests"] == row["requests"] > 0  # fp32: the same tokens
+    with pytest.raises(RuntimeError, match="inside"):
+        with onednn_matmuls(False):
+            assert torch.backends.mkldnn.enabled is False
+            raise RuntimeError("inside")
+    assert torch.backends.mkldnn.enabled is True
+    torch.backends.mkldnn.set_flags(False, None, None, None)
+    try:
+        with onednn_matmuls(True):  # a process that turned oneDNN off keeps it off
+            assert torch.backends.mkldnn.enabled is False
+    finally:
+        torch.backends.mkldnn.set_flags(True, None, None, None)

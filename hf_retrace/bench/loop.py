@@ -16,6 +16,7 @@ import torch
 
 from ..chat import prompt_token_ids
 from ..generation.placement import synchronize
+from ..machine import onednn_matmuls
 from ..sampling import sampling_kwargs
 from ..side_by_side import Run, timed_generate
 from ..stats import GenerationStats
@@ -67,7 +68,7 @@ class Bench:
                 from .native import build_native_assistant
 
                 self.native_assistants[method.name] = build_native_assistant(self.drafters[method.name])
-        self._prefill_cache: dict[tuple[int, ...], float] = {}
+        self._prefill_cache: dict[tuple[bool | int, ...], float] = {}
 
     def generate_kwargs(self, method: Method) -> dict[str, Any]:
         if method.kind == "prompt-lookup":
@@ -93,20 +94,26 @@ class Bench:
             with recording_rounds(self.target, stats):
                 yield recorded
             recorded["stats"] = stats
+        elif not method.onednn:
+            with onednn_matmuls(False):
+                yield recorded
         else:
             yield recorded
 
     @torch.inference_mode()
-    def prefill_seconds(self, input_ids: torch.Tensor) -> float:
-        """Seconds of one target forward over ``input_ids`` (what ``generate``'s prefill does), measured once."""
-        key = tuple(input_ids[0].tolist())
+    def prefill_seconds(self, input_ids: torch.Tensor, onednn: bool = True) -> float:
+        """Seconds of one target forward over ``input_ids`` (what ``generate``'s prefill does), measured once per
+        setting of torch's oneDNN matmuls (``onednn``: as the call runs them, :attr:`Method.onednn`)."""
+        key = (onednn, *input_ids[0].tolist())
         if key not in self._prefill_cache:
             ids = input_ids.to(self.target.device)
             synchronize(ids.device)
-            started = time.perf_counter()
-            out = self.target(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True, logits_to_keep=1)
-            synchronize(out.logits.device)
-            self._prefill_cache[key] = time.perf_counter() - started
+            with onednn_matmuls(onednn):
+                started = time.perf_counter()
+                out = self.target(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True,
+                                  logits_to_keep=1)
+                synchronize(out.logits.device)
+                self._prefill_cache[key] = time.perf_counter() - started
         return self._prefill_cache[key]
 
     def forget_prefill_timings(self) -> None:
@@ -131,7 +138,7 @@ def run_prompt(bench: Bench, prompt: BenchPrompt, temperature: float, seed: int,
             history = histories[method.name]
             token_ids = prompt_token_ids(bench.tokenizer, [user_message], [history])[0]
             input_ids = torch.tensor([token_ids], dtype=torch.long)
-            prefill_seconds = bench.prefill_seconds(input_ids)
+            prefill_seconds = bench.prefill_seconds(input_ids, onednn=method.onednn)
 
             torch.manual_seed(seed)
             with bench.rounds_of(method) as rounds:

@@ -26,7 +26,7 @@ class Method:
     """
 
     name: str
-    kind: str  # "plain" | "prompt-lookup" | "native" | "drafter"
+    kind: str  # "plain" | "plain-no-onednn" | "prompt-lookup" | "native" | "drafter"
     retrace: bool = False
     ablation: str = "full"
     description: str = ""
@@ -57,6 +57,16 @@ class Method:
         return drafter.with_policy(**changes)
 
     @property
+    def decodes_plainly(self) -> bool:
+        """Plain ``generate`` (tau 1, no rounds): the reference, or plain decoding with oneDNN off."""
+        return self.kind in ("plain", "plain-no-onednn")
+
+    @property
+    def onednn(self) -> bool:
+        """Whether the call runs with torch's oneDNN matmuls as the process has them (False: switched off for it)."""
+        return self.kind != "plain-no-onednn"
+
+    @property
     def needs_drafter(self) -> bool:
         return self.kind in ("native", "drafter")
 
@@ -70,6 +80,9 @@ ALL_METHODS: dict[str, Method] = {
     m.name: m
     for m in [
         Method("plain", "plain", description="plain generate (the reference and the speed-up baseline)"),
+        Method("plain-no-onednn", "plain-no-onednn", description="plain generate with torch's oneDNN matmuls off "
+               "(torch.backends.mkldnn.flags): on a CPU whose oneDNN bf16 one-token forward is the slower, the faster "
+               "plain baseline (docs/bench/2026-12-06-epyc-onednn/)"),
         Method("prompt-lookup", "prompt-lookup", description=f"prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}"),
         Method("default", "drafter", lookup=True, policy="as-user",
                description="what a user gets: the drafter with the round policy tuned for this machine and temperature "

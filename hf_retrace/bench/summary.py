@@ -67,7 +67,7 @@ def _request_summary(turn: TurnResult) -> RequestSummary:
 
 def _acceptance(all_stats: list[GenerationStats], pooled: GenerationStats, method: Method) -> dict[str, Any]:
     """tau per request and per round, rounds, per-position acceptance and the histogram of acceptance lengths."""
-    if method.kind == "plain":  # GenerationStats: "plain decoding has tau = 1"
+    if method.decodes_plainly:  # GenerationStats: "plain decoding has tau = 1"
         return {"tau": 1.0, "tau_per_request": 1.0, "tau_per_round": 1.0, "rounds": None,
                 "per_position_acceptance": [], "acceptance_length_histogram": {}}
     tau_per_request = GenerationStats.mean_tau_per_request(all_stats)
@@ -84,7 +84,7 @@ def _acceptance(all_stats: list[GenerationStats], pooled: GenerationStats, metho
 def _costs(pooled: GenerationStats, method: Method, plain_spt: float | None, tau_per_round: float | None,
            speedup: float | None) -> dict[str, Any]:
     """c, epsilon and the ideal speed-up tau / (1 + c + epsilon), all per drafting round, against plain's token."""
-    if method.kind == "plain" or not pooled.rounds or not plain_spt:
+    if method.decodes_plainly or not pooled.rounds or not plain_spt:
         return {"draft_cost_c": None, "verify_cost_epsilon": None, "ideal_speedup": None,
                 "speedup_over_ideal": None, "draft_seconds": None, "verify_seconds": None}
     c = pooled.draft_seconds / pooled.rounds / plain_spt
