@@ -1,7 +1,7 @@
 """What verifying k drafts costs on this machine, by dtype: the target forward over k + 1 new tokens on a cached
 context, in units of a one-token step of the same dtype, plus one linear layer's time by rows; with ``--onednn``, a
 forward of M new tokens in milliseconds with torch's oneDNN matmuls on (its default) and off, toggled per forward in
-the same process (``torch.backends.mkldnn.flags``), interleaved.
+the same process (:func:`hf_retrace.machine.onednn_matmuls`), interleaved.
 
     python examples/verify_cost_by_dtype.py --dtypes bf16,fp32      # alone on the machine: it times
     python examples/verify_cost_by_dtype.py --dtypes bf16 --onednn  # where oneDNN's bf16 path is slower for few rows
@@ -17,6 +17,7 @@ import time
 import torch
 
 from hf_retrace.loading import load_target, torch_dtype
+from hf_retrace.machine import onednn_matmuls
 from hf_retrace.tuning.costs import measure_verify_costs
 
 parser = argparse.ArgumentParser()
@@ -68,7 +69,7 @@ def onednn_on_and_off(target, context: int = 256, repeats: int = 25) -> None:
             for m in news:
                 x = torch.randint(100, 20000, (1, m))
                 for on in (True, False):
-                    with torch.backends.mkldnn.flags(enabled=on):
+                    with onednn_matmuls(on):
                         started = time.perf_counter()
                         target(x, past_key_values=cache, use_cache=True)
                         times.setdefault((m, on), []).append(time.perf_counter() - started)

@@ -59,14 +59,12 @@ def _prefill_seconds(target: Any, batch: dict[str, torch.Tensor]) -> float:
 def _batch_methods(bench: Bench, batch_size: int) -> tuple[list[Any], list[str]]:
     """(plain first, then the drafter methods; the names of the methods a batch cannot run, each said on stderr)."""
     methods = sorted((m for m in bench.methods if m.kind in ("plain", "drafter")), key=lambda m: m.kind != "plain")
-    skipped = [m.name for m in bench.methods if m not in methods]
-    for method in bench.methods:
-        if method in methods:
-            continue
+    skipped = [m for m in bench.methods if m not in methods]
+    for method in skipped:
         why = ("a batch's plain step is a forward of as many tokens as rows, where oneDNN is the faster; not measured "
                "batched" if not method.onednn else "transformers' assisted loop, which it runs in, refuses batches")
         print(f"[hf-retrace bench] {method.name}: skipped at --batch-size {batch_size} ({why})", file=sys.stderr)
-    return methods, skipped
+    return methods, [m.name for m in skipped]
 
 
 def _batches(plan: BenchPlan, tokenizer: Any, batch_size: int, pad: int, device: Any) -> dict[str, list[dict]]:

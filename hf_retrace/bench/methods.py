@@ -81,7 +81,7 @@ ALL_METHODS: dict[str, Method] = {
     for m in [
         Method("plain", "plain", description="plain generate (the reference and the speed-up baseline)"),
         Method("plain-no-onednn", "plain-no-onednn", description="plain generate with torch's oneDNN matmuls off "
-               "(torch.backends.mkldnn.flags): on a CPU whose oneDNN bf16 one-token forward is the slower, the faster "
+               "(hf_retrace.machine.onednn_matmuls): on a CPU whose oneDNN bf16 one-token forward is the slower, the faster "
                "plain baseline (docs/bench/2026-12-06-epyc-onednn/)"),
         Method("prompt-lookup", "prompt-lookup", description=f"prompt_lookup_num_tokens={PROMPT_LOOKUP_NUM_TOKENS}"),
         Method("default", "drafter", lookup=True, policy="as-user",
