@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -40,19 +41,102 @@ def has_bf16_units() -> bool:
     return any(flag in cpu_info()["flags"] for flag in BF16_FLAGS)
 
 
+class _OneDNNSwitch:
+    """Torch's oneDNN (mkldnn) on/off switch, changed only through here (``torch.backends.mkldnn.flags`` would also
+    reset its determinism and TF32 settings). The switch is process-wide in torch, not per thread: every change is a
+    :meth:`push` closed by its :meth:`pop`, under one lock; the setting is always that of the latest push still open
+    (the process's own once none is), whatever order threads close theirs in, so threads that switch at once never
+    leave it changed. While two threads' pushes are open one thread's forward may run on the other's setting (other
+    kernels: the same tokens up to bf16 near-ties; float32 runs the same kernels either way)."""
+
+    lock = threading.Lock()
+    base = True  # the process's own setting, read at the first push while none is open
+    open: dict[int, bool] = {}  # push number -> enabled, in push order
+    pushes = 0
+
+    @classmethod
+    def _apply(cls) -> None:
+        import torch
+
+        latest = next(reversed(cls.open.values()), True) if cls.open else True
+        torch.backends.mkldnn.set_flags(bool(cls.base and latest), None, None, None)
+
+    @classmethod
+    def push(cls, enabled: bool) -> int:
+        """Switch oneDNN to ``enabled`` (never on where the process had it off); returns the number to :meth:`pop`."""
+        import torch
+
+        with cls.lock:
+            if not cls.open:
+                cls.base = torch.backends.mkldnn.enabled
+            cls.pushes += 1
+            cls.open[cls.pushes] = bool(enabled)
+            cls._apply()
+            return cls.pushes
+
+    @classmethod
+    def pop(cls, number: int) -> None:
+        with cls.lock:
+            cls.open.pop(number, None)
+            cls._apply()
+
+
 @contextlib.contextmanager
 def onednn_matmuls(enabled: bool) -> Iterator[None]:
     """Run the block with torch's oneDNN (mkldnn) kernels on or off, and put the process's setting back after.
 
-    Only the on/off switch is touched (``torch.backends.mkldnn.flags`` would also reset its determinism and TF32
-    settings). On a CPU with bf16 units torch sends bf16 matmuls to oneDNN, whose one-token forward can be far slower
-    than torch's own kernels while a many-token one is far faster (docs/bench/2026-12-06-epyc-onednn/). The switch is
-    process-wide, not per thread. ``enabled=True`` leaves a process that turned oneDNN off as it is."""
-    import torch
-
-    before = torch.backends.mkldnn.enabled
-    torch.backends.mkldnn.set_flags(enabled and before, None, None, None)
+    Only the on/off switch is touched. On a CPU with bf16 units torch sends bf16 matmuls to oneDNN, whose one-token
+    forward can be far slower than torch's own kernels while a many-token one is far faster
+    (docs/bench/2026-12-06-epyc-onednn/). ``enabled=True`` leaves a process that turned oneDNN off as it is. The switch
+    is process-wide (:class:`_OneDNNSwitch`: threads that switch at once leave the process's setting as it was)."""
+    number = _OneDNNSwitch.push(enabled)
     try:
         yield
     finally:
-        torch.backends.mkldnn.set_flags(before, None, None, None)
+        _OneDNNSwitch.pop(number)
+
+
+def forward_width(args: tuple, kwargs: dict[str, Any]) -> int | None:
+    """The new tokens a model's forward runs, rows times positions (what a matmul's row count follows), read from its
+    ``input_ids`` or ``inputs_embeds`` (keyword, else the first positional argument); None when neither is given."""
+    value = kwargs.get("input_ids")
+    if value is None and kwargs.get("inputs_embeds") is not None:
+        return int(kwargs["inputs_embeds"].shape[:-1].numel())
+    if value is None and args:
+        value = args[0]
+    return int(value.numel()) if hasattr(value, "numel") else None
+
+
+@contextlib.contextmanager
+def onednn_from_width(model: Any, width: int) -> Iterator[None]:
+    """While the block runs, every forward of ``model`` over fewer than ``width`` new tokens (:func:`forward_width`)
+    runs with torch's oneDNN off, wider ones with the process's setting; ``width`` of 0 or 1 changes nothing.
+
+    Why: on an AMD EPYC with ``avx512_bf16`` a one-token bf16 forward of a 135M target took 40.7 ms with oneDNN and
+    23.9 ms without, while a 9-token one took 46.6 against 83.3 ms (docs/bench/2026-12-06-epyc-onednn/); the tuner
+    measures where the two cross on the machine at hand (:func:`hf_retrace.tuning.costs.measure_costs`). A hook on
+    the model's own forward, so every caller's forward is covered (transformers' loops, ours, a prefill); the setting
+    is put back after each forward, also when it raises. Process-wide, as the switch is: two threads generating at
+    once may run a forward with the other's setting (a different kernel: the same tokens up to bf16 near-ties)."""
+    if width <= 1:
+        yield
+        return
+    owner = threading.get_ident()  # a call's hook switches its own thread's forwards, not another call's
+    opened: list[int] = []
+
+    def before(module: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        if threading.get_ident() == owner:
+            tokens = forward_width(args, kwargs)
+            opened.append(_OneDNNSwitch.push(tokens is None or tokens >= width))
+
+    def after(module: Any, args: tuple, kwargs: dict[str, Any], output: Any) -> None:
+        if threading.get_ident() == owner and opened:
+            _OneDNNSwitch.pop(opened.pop())
+
+    handles = [model.register_forward_pre_hook(before, with_kwargs=True),
+               model.register_forward_hook(after, with_kwargs=True, always_call=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -739,8 +739,9 @@ def test_the_batch_ab_spreads_the_recorded_prompts_over_its_batches(pair, monkey
     real = type(target).generate
 
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens=None, assistant_model=None, **kwargs):
-        calls.append((input_ids[:, -2].tolist(), max_new_tokens, assistant_model is not None))
-        if assistant_model is not None and max_new_tokens == 5:
+        drafted = assistant_model is not None and assistant_model.round_policy.speculate  # (plain: the kernels' view)
+        calls.append((input_ids[:, -2].tolist(), max_new_tokens, drafted))
+        if drafted and max_new_tokens == 5:
             time.sleep(0.2)  # a drafted arm far slower than plain: each half must read under 1
         return real(self, input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
                     assistant_model=assistant_model, **kwargs)

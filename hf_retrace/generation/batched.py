@@ -47,6 +47,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.stopping_criteria import MaxTimeCriteria
 
+from ..machine import onednn_matmuls
 from ..stats import GenerationStats, last_stats_slot
 from . import batched_cache
 from .batched_drafter import BatchedDrafterForward, batches_drafts
@@ -355,8 +356,9 @@ class BatchedLoop:
                     self.shared_drafts.keep(keep)
             if self.shared_drafts is not None and any(self.max_length - row.sequence.shape[0] > 1 for row in live):
                 started = time.perf_counter()
-                self.shared_drafts.draft([row.generator.drafter_source for row in live],
-                                         torch.stack([row.sequence[-1] for row in live]))
+                with onednn_matmuls(self.policy.drafter_onednn):  # as the tuner priced the batch's drafter round
+                    self.shared_drafts.draft([row.generator.drafter_source for row in live],
+                                             torch.stack([row.sequence[-1] for row in live]))
                 self.draft_seconds += time.perf_counter() - started
             for row in live:
                 self._propose(row)
@@ -454,7 +456,8 @@ def batched_assisted_decoding(call: Any, original: Any, args: tuple, kwargs: dic
     loop = BatchedLoop(target, call.drafter, input_ids, attention_mask, config, arguments.get("logits_processor"),
                        arguments.get("stopping_criteria"), policy)
     try:
-        sequences = loop.run()
+        with call.kernels():
+            sequences = loop.run()
     finally:
         loop.close()
     last_stats_slot(call.drafter).set(loop.stats())

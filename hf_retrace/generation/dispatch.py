@@ -23,6 +23,7 @@ import torch
 from transformers import GenerationMixin
 from transformers.generation.configuration_utils import GenerationMode
 
+from ..machine import onednn_from_width
 from ..stats import GenerationStats, last_stats_slot
 from .candidate_generator import ReTraceCandidateGenerator
 from .checks import _loop_indexes_attentions, check_generation_mode, check_inputs, check_target, is_drafter
@@ -179,7 +180,8 @@ class DrafterCall:
             return self.decode_plainly(original, args, kwargs)
         args, kwargs, stopping = _stop_per_token(original, self.target, args, kwargs, self.generators)
         self.attentions = AttentionsAsPlain(self.target, original, args, kwargs)
-        output = original(self.target, *args, **kwargs)
+        with self.kernels():
+            output = original(self.target, *args, **kwargs)
         output = output if stopping is None else stopping.trim(output)
         if self.dispatch.observer is not None and self.generators:  # a tuned prediction meets the call's timings
             self.dispatch.observer(self.policy, [generator.stats for generator in self.generators])
@@ -193,7 +195,14 @@ class DrafterCall:
             arguments.pop(name, None)
         model_kwargs = arguments.pop("model_kwargs", {})
         last_stats_slot(self.drafter).set(GenerationStats(policy=self.policy.describe()))
-        return type(self.target)._sample(self.target, **arguments, **model_kwargs)
+        with self.kernels():
+            return type(self.target)._sample(self.target, **arguments, **model_kwargs)
+
+    def kernels(self) -> Any:
+        """A context in which the target's forwards run the kernels the call's policy was priced with: the narrow ones
+        without torch's oneDNN where the tuner measured that faster (:func:`~hf_retrace.machine.onednn_from_width`;
+        the drafter's are switched by its round, :class:`~.round.Round`)."""
+        return onednn_from_width(self.target, self.policy.onednn_from)
 
     def close(self) -> None:
         """Remove every hook the call put on the target's layers (every exit path of the call)."""

@@ -82,6 +82,10 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
                      "must be null / None or a list of at least two positive numbers (k = 0 and 1 drafts)"),
     "draft_cost": (lambda v: v is None or (_is_real(v) and v >= 0), "must be null / None or a number >= 0"),
     "lookup_cost": (lambda v: _is_real(v) and v >= 0, "must be a number >= 0"),
+    "onednn_from": (lambda v: _is_int(v) and v >= 0,
+                    "must be a whole number >= 0 (the narrowest target forward, in new tokens, that keeps torch's "
+                    "oneDNN; 0: every forward as the process runs it)"),
+    "drafter_onednn": _BOOL,
     "source": _TEXT,
     "reason": _TEXT,
     "expected_speedup": (lambda v: v is None or (_is_real(v) and v > 0), "must be null / None or a number > 0"),
@@ -151,6 +155,11 @@ class RoundPolicy:
     - ``verify_costs`` / ``draft_cost``: the machine's measured costs in one-token target steps (``verify_costs[k]``
       for ``k`` drafts); when present, a :class:`RoundGuard` backs off drafting while recent rounds commit fewer
       tokens per step-cost than plain decoding does.
+    - ``onednn_from`` / ``drafter_onednn``: the matmul kernels each forward runs on a CPU where torch's oneDNN is the
+      slower for narrow forwards (measured by the tuner, :func:`hf_retrace.tuning.costs.measure_costs`): the target's
+      forwards over fewer than ``onednn_from`` new tokens (rows times positions; plain decoding's step, the guard's,
+      short verifies) run with oneDNN off, wider ones as the process runs them (0: all of them); the drafter's round
+      runs with oneDNN off where ``drafter_onednn`` is False. The costs above are priced so.
     - ``source``: where the policy came from (``shipped``, ``tuned``, ``explicit``, ``env``, ``file``).
     """
 
@@ -169,6 +178,8 @@ class RoundPolicy:
     verify_costs: tuple[float, ...] | None = None
     draft_cost: float | None = None
     lookup_cost: float = LOOKUP_COST
+    onednn_from: int = 0
+    drafter_onednn: bool = True
     source: str = "explicit"
     reason: str = ""
     expected_speedup: float | None = None  # the replay's tokens per step-cost (tuned policies only)
@@ -252,16 +263,28 @@ class RoundPolicy:
         except ValueError as error:
             raise ValueError(f"{where}: {error}") from None
 
+    def kernels(self) -> str:
+        """The forwards this policy runs without torch's oneDNN, in words ("" where none)."""
+        parts = []
+        if self.onednn_from > 1:
+            parts.append(f"target forwards under {self.onednn_from} new tokens without oneDNN")
+        if not self.drafter_onednn and self.speculate:
+            parts.append("the drafter without oneDNN")
+        return "; ".join(parts)
+
     def describe(self) -> str:
         """One line a user can look up in the README: what rounds this policy runs, and why."""
         if not self.speculate:
-            return f"plain decoding (no drafting){': ' + self.reason if self.reason else ''}"
+            kernels = f" [{self.kernels()}]" if self.kernels() else ""
+            return f"plain decoding (no drafting){kernels}{': ' + self.reason if self.reason else ''}"
         cut = "full blocks" if self.confidence_cut is None else f"confidence cut {self.confidence_cut:g}"
         lookup = (f"context lookup {self.lookup_min_ngram}-{self.lookup_max_ngram}-grams, budget "
                   f"{self.lookup_start}..{self.lookup_cap}") if self.lookup else "no context lookup"
         parts = [f"DFlash drafter, {cut}", lookup, f"ReTrace {'on' if self.retrace else 'off'}"]
         if self.proposal_mode != "argmax":
             parts.append(f"{self.proposal_mode} proposals")
+        if self.kernels():
+            parts.append(self.kernels())
         text = "; ".join(parts) + f" (policy: {self.source}"
         if self.expected_speedup is not None:
             text += f", replayed {self.expected_speedup:.2f} tokens per step-cost"

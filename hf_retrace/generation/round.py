@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
+from ..machine import onednn_matmuls
 from ..stats import GenerationStats
 from .policy import RoundPolicy
 from .proposal import Proposal, ProposalSource, RoundInputs, Verdict, eos_cut
@@ -43,12 +44,13 @@ class Round:
         if self.guard is not None and not self.guard.drafts_at(inputs.anchor):
             self.stats.guard_plain_steps += 1
             return None
-        if self.launch_first is not None:  # the accelerator order: the block is on its way before the decision
-            self.launch_first.launch(inputs, host_from)
-        for source in self.sources:
-            proposal = source.propose(inputs)
-            if proposal is not None:
-                return proposal.cut(eos_cut(proposal.host_tokens, self.eos_ids))
+        with onednn_matmuls(self.policy.drafter_onednn):  # the drafter's kernels, as the tuner priced its round
+            if self.launch_first is not None:  # the accelerator order: the block is on its way before the decision
+                self.launch_first.launch(inputs, host_from)
+            for source in self.sources:
+                proposal = source.propose(inputs)
+                if proposal is not None:
+                    return proposal.cut(eos_cut(proposal.host_tokens, self.eos_ids))
         return None
 
     def observe(self, proposal: Proposal, verdict: Verdict) -> None:

@@ -49,7 +49,7 @@ __all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine
            "policy_cache_dir", "realized_figure", "records_of", "tune", "tune_and_cache", "tuned_policies"]
 
 POLICY_ENV_VAR = "HF_RETRACE_POLICY"
-CACHE_FORMAT = 2  # 2: robust costs, plain proved by two measurements, realized figures
+CACHE_FORMAT = 3  # 2: robust costs, plain proved by two measurements, realized figures; 3: oneDNN per forward width
 # how a batch is priced (issue 39): 2 = forwards timed as the batch loop runs them (padding, masked slots, a mask)
 # and the rows replayed in lockstep; an entry priced otherwise is tuned again
 BATCH_PRICING = 2

@@ -11,6 +11,11 @@ the intra-op threads (:func:`measure_costs_fewer_threads`): a one-token step wit
 by a busy loop, took 116-228 ms and never settled, while one thread beside the same loop settled every time and chose
 what the idle machine chooses (``docs/round-policy.md``); the tuner uses that choice for the process, uncached.
 
+Where torch's oneDNN switch changes the target's bf16 kernels (:func:`onednn_switchable`), every width is timed with
+oneDNN off too, in the same pairing, and the costs are those of the cheaper rule (:func:`with_onednn_off`): narrow
+forwards without oneDNN, wide ones with it, priced in the faster one-token step, which is then plain decoding's own
+(a call runs that rule: :func:`hf_retrace.machine.onednn_from_width`).
+
 Example::
 
     costs = measure_costs(target, drafter, max_drafts=16)
@@ -42,10 +47,11 @@ from ..generation.proposal import on_accelerator, one_transfer
 from ..generation.placement import synchronize
 from ..generation.policy import LOOKUP_COST, RoundPolicy, verify_cost
 from ..generation.target_features import cache_kwargs
+from ..machine import onednn_matmuls
 
 __all__ = ["MachineCosts", "VerifyFit", "batch_probe_mask", "fit_verify_costs", "measure_costs",
            "measure_costs_fewer_threads", "measure_draft_cost", "measure_row_share", "measure_verify_costs",
-           "sample_verify_ratios", "timed"]
+           "onednn_switchable", "sample_onednn_off", "sample_verify_ratios", "timed", "with_onednn_off"]
 
 PROBE_POINTS = (1, 2, 3, 4, 8, 16)  # timed against a one-token forward; the k between are interpolated
 SHORT_DRAFTS = 4  # verifies this short get the passes past MIN_PASSES (the common case, and the cheap one)
@@ -54,6 +60,7 @@ SPREAD_LIMIT = 0.2  # a k's repeats disagree when their robust spread (1.4826 MA
 PLAUSIBLE_SLACK = 0.25  # a verify of k + 1 tokens costs at most (k + 1) one-token steps, plus this share
 STEADY_TRIES = 3  # a sample whose two one-token steps disagree (by SPREAD_LIMIT) is timed again, this often at most
 ATTEMPTS = 2  # timings that stay unsettled after this many attempts leave the shipped policy in place, uncached
+ONEDNN_GAIN = 0.1  # narrow forwards run without torch's oneDNN only where its one-token step is this much slower
 MEASURE_SECONDS = 15.0  # a measurement still running after this is a busy machine (a core taken by another process
 # made a 2-thread one-token step 26x slower, measured: 1.0 s against 37 ms): it stops, unsettled, and decides nothing
 
@@ -80,7 +87,11 @@ class MachineCosts:
     ``row_share``: in a batch, the share of a forward's time that scales with its rows (a forward over ``n`` of the
     ``rows`` rows costs ``(1 - row_share) + row_share * n / rows`` of one over all: :func:`measure_row_share`);
     ``threads``: the intra-op threads the forwards were timed with where fewer than the process's (a busy CPU's
-    stand-in, :func:`measure_costs_fewer_threads`), 0 where the process's own.
+    stand-in, :func:`measure_costs_fewer_threads`), 0 where the process's own;
+    ``onednn_from`` / ``drafter_onednn``: the kernels every cost above was priced with, as a policy runs them
+    (:class:`~hf_retrace.generation.policy.RoundPolicy`): target forwards under ``onednn_from`` new tokens without
+    torch's oneDNN (0: all as the process runs them; the unit is then the faster one-token step), the drafter's round
+    without it where ``drafter_onednn`` is False (:func:`measure_onednn_off`).
     """
 
     verify_costs: tuple[float, ...]
@@ -94,6 +105,8 @@ class MachineCosts:
     timed_out: bool = False
     row_share: float = 0.0
     threads: int = 0
+    onednn_from: int = 0
+    drafter_onednn: bool = True
 
     def unsettled_cause(self) -> str:
         """Why the timings decide nothing, in words ("" when settled)."""
@@ -122,7 +135,7 @@ class MachineCosts:
         costs = replace(self, drafter_first=in_one)
         lookup = LOOKUP_COST + (costs.draft_cost_full if costs.drafter_first else 0.0)
         return policy.replace(verify_costs=costs.verify_costs, draft_cost=costs.draft_cost(policy.confidence_cut),
-                              lookup_cost=lookup)
+                              lookup_cost=lookup, onednn_from=self.onednn_from, drafter_onednn=self.drafter_onednn)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -136,7 +149,8 @@ class MachineCosts:
                    float(data["step_seconds"]), bool(data.get("drafter_first", False)),
                    float(data.get("spread", 0.0)), bool(data.get("settled", True)), int(data.get("rows", 1)),
                    bool(data.get("timed_out", False)), float(data.get("row_share", 0.0)),
-                   int(data.get("threads", 0)))
+                   int(data.get("threads", 0)), int(data.get("onednn_from", 0)),
+                   bool(data.get("drafter_onednn", True)))
 
 
 def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -227,16 +241,19 @@ def _isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
     return [value for value, _, count in blocks for _ in range(count)]
 
 
+def _spread(values: Sequence[float]) -> float:
+    """The robust spread of repeats: 1.4826 median absolute deviation over the median."""
+    middle = statistics.median(values)
+    return 1.4826 * statistics.median(abs(v - middle) for v in values) / middle
+
+
 def fit_verify_costs(ratios: dict[int, list[float]], max_drafts: int) -> VerifyFit:
     """:class:`VerifyFit` from :func:`sample_verify_ratios`' ratios: the median per ``k``, isotonic over ``k`` (the
     one-token forward, ``k = 0``, pinned at 1), interpolated between timed ``k`` and extended past the longest along
     its last step (:func:`~hf_retrace.generation.policy.verify_cost`)."""
     timed_ks = sorted(k for k, values in ratios.items() if values)
     medians = {k: statistics.median(ratios[k]) for k in timed_ks}
-    spread = 0.0
-    for k in timed_ks:
-        deviation = statistics.median(abs(r - medians[k]) for r in ratios[k])
-        spread = max(spread, 1.4826 * deviation / medians[k])
+    spread = max((_spread(ratios[k]) for k in timed_ks), default=0.0)
     implausible = tuple(k for k in timed_ks if medians[k] > (k + 1) * (1 + PLAUSIBLE_SLACK))
     fitted = _isotonic([1.0] + [medians[k] for k in timed_ks], [1e6] + [len(ratios[k]) for k in timed_ks])
     points = {k: max(1.0, value) for k, value in zip(timed_ks, fitted[1:])}
@@ -321,12 +338,13 @@ def _verify_probe(target: Any, max_drafts: int, context_length: int, rows: int =
 @torch.inference_mode()
 def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_length: int = 256,
                        repeats: int = 3, step_probe: Callable[[], float] | None = None,
-                       rows: int = 1) -> tuple[float, float]:
+                       rows: int = 1, onednn: bool = True) -> tuple[float, float]:
     """(a drafter round scoring 2 slots, one scoring the whole block), in one-token steps: one forward over
     ``[anchor, MASK x (B-1)]`` reading one new context row on a cached context (for each of ``rows`` rows, in one
     forward), then the draft head. With
     ``step_probe`` (a one-token target forward), each round is timed against the step just after it and the median
-    ratio kept (a slowdown that lasts cancels); without, the fastest round over ``step_seconds``."""
+    ratio kept (a slowdown that lasts cancels); without, the fastest round over ``step_seconds``. ``onednn=False``:
+    the drafter's round runs with torch's oneDNN off (the step probe as the process runs it)."""
     device = drafter.device
     block_size = drafter.config.block_size
     features = len(drafter.config.target_layer_ids) * drafter.config.hidden_size
@@ -352,6 +370,10 @@ def measure_draft_cost(target: Any, drafter: Any, step_seconds: float, context_l
         batch = dict(attention_mask=mask.bool()[:, None, None, :].expand(-1, 1, block_size, -1))
 
     def round_(slots: int) -> None:
+        with onednn_matmuls(onednn):
+            drafted(slots)
+
+    def drafted(slots: int) -> None:
         hidden = drafter(target_hidden=context[:, cached:], noise_embedding=block, position_ids=positions,
                          past_key_values=cache, use_cache=True, **batch)
         cache.crop(-(block_size + 1))
@@ -393,13 +415,70 @@ def measure_row_share(target: Any, context_length: int, rows: int, probe: Callab
     return min(1.0, max(0.0, statistics.median(shares)))
 
 
+def onednn_switchable(target: Any) -> bool:
+    """Whether torch's oneDNN switch changes which kernels this target's matmuls run: weights in bf16 (or fp16) on a
+    CPU where oneDNN is built, on, and has kernels for that dtype. float32 matmuls go to the BLAS either way (the
+    same results with the switch on or off, measured), and a CPU without AVX-512 has no oneDNN bf16 path."""
+    device = target.get_input_embeddings().weight.device
+    if device.type != "cpu" or not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    checks = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}
+    check = checks.get(target.dtype)
+    try:
+        return check is not None and bool(getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):  # a torch without the check
+        return False
+
+
+def sample_onednn_off(probe: Callable[[int], float], ks: Sequence[int], repeats: int = 5,
+                      deadline: float | None = None) -> dict[int, list[float]]:
+    """Per ``k`` in ``0`` and ``ks``: the seconds of ``probe(k)`` run with torch's oneDNN off over the one-token
+    forward as the process runs it, timed around it (:func:`sample_verify_ratios`' pairing, so a load that lasts
+    cancels): the same unit as the verify ratios, so the two kernels' curves compare point by point."""
+    def mixed(j: int) -> float:  # j = 0: the process's one-token step; j = k + 1: a forward of k + 1 tokens, off
+        if j == 0:
+            return probe(0)
+        with onednn_matmuls(False):
+            return probe(j - 1)
+
+    ratios, _ = sample_verify_ratios(mixed, [1] + [k + 1 for k in ks], repeats, deadline=deadline)
+    return {j - 1: values for j, values in ratios.items()}
+
+
+def with_onednn_off(on: dict[int, list[float]], off: dict[int, list[float]]
+                    ) -> tuple[int, float, dict[int, list[float]]]:
+    """``(onednn_from, unit, ratios)``: where forwards without oneDNN pay, the narrowest width that keeps it and the
+    verify ratios of that rule in units of the faster one-token step (``unit``: that step over the process's).
+
+    ``on``: :func:`sample_verify_ratios`' ratios, ``off``: :func:`sample_onednn_off`'s, the same ``k``. Forwards of up
+    to the widest ``k + 1`` whose median is cheaper off run off (one rule, so a cost between two timed ``k`` is that
+    of the kernels the rule runs); ``(0, 1.0, on)`` where the one-token step is not :data:`ONEDNN_GAIN` cheaper off,
+    or any ``k`` was not timed :data:`MIN_PASSES` times off (a measurement cut short switches nothing)."""
+    if any(len(off.get(k, ())) < MIN_PASSES for k in [0, *on]):
+        return 0, 1.0, on
+    unit = statistics.median(off[0])
+    if unit > 1 - ONEDNN_GAIN:
+        return 0, 1.0, on
+    medians = {0: 1.0, **{k: statistics.median(values) for k, values in on.items() if values}}
+    cheaper = [k for k in medians if statistics.median(off[k]) < medians[k]]
+    width = max(cheaper) + 2  # forwards of up to max(cheaper) + 1 new tokens run off
+    ratios = {k: [r / unit for r in (off[k] if k + 1 < width else values)] for k, values in on.items()}
+    return width, unit, ratios
+
+
 @torch.inference_mode()
 def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_length: int = 256,
                   repeats: int = 5, attempts: int = ATTEMPTS, seconds: float = MEASURE_SECONDS,
                   rows: int = 1) -> MachineCosts:
     """This machine's :class:`MachineCosts` for ``target`` and ``drafter`` (about 4-5 s for a 135M target on 2 CPU
     cores), at batch size ``rows``. Timings that stay unsettled (:attr:`VerifyFit.settled`) over ``attempts``, or that
-    do not finish their passes within ``seconds``, give ``settled=False``."""
+    do not finish their passes within ``seconds``, give ``settled=False``.
+
+    Where torch's oneDNN switch changes the target's kernels (:func:`onednn_switchable`), every verify width and the
+    drafter's round are timed with it off too, paired with the same one-token steps (within another ``seconds / 2``;
+    cut short, nothing is switched), and the costs are those of the cheaper rule (:func:`with_onednn_off`): on a
+    2-core EPYC with ``avx512_bf16`` a bf16 one-token step took 40.7 ms with oneDNN and 23.9 without, a 9-token verify
+    46.6 against 83.3 (docs/bench/2026-12-06-epyc-onednn/)."""
     max_drafts = max(max_drafts, drafter.config.block_size - 1)
     deadline = time.perf_counter() + seconds
     probe = _verify_probe(target, max_drafts, context_length, rows)
@@ -413,11 +492,31 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
     late = time.perf_counter() > deadline  # unsettled already: the drafter's cost once, without its paired steps
     chunk, full = measure_draft_cost(target, drafter, step, context_length, 1 if late else repeats,
                                      step_probe=None if late else lambda: probe(0), rows=rows)
+    width, unit, drafter_onednn = 0, 1.0, True
+    if not late and fit.settled and finished and onednn_switchable(target):
+        off = sample_onednn_off(probe, _probe_points(max_drafts), repeats,
+                                deadline=time.perf_counter() + seconds / 2)
+        width, unit, mixed = with_onednn_off(ratios, off)
+        if width:
+            mixed_fit = fit_verify_costs(mixed, max_drafts)
+            mixed_fit = replace(mixed_fit, spread=max(mixed_fit.spread, _spread(off[0])))
+            if mixed_fit.settled:
+                fit = mixed_fit
+            else:  # timings without oneDNN too noisy to trust: nothing is switched
+                width, unit = 0, 1.0
+    if width:
+        off_chunk, off_full = measure_draft_cost(target, drafter, step, context_length, repeats,
+                                                 step_probe=lambda: probe(0), rows=rows, onednn=False)
+        drafter_onednn = chunk + full <= off_chunk + off_full
+        chunk, full = ((chunk, full) if drafter_onednn else (off_chunk, off_full))
+        chunk, full, step = chunk / unit, full / unit, step * unit
     # a batch drafts every row's whole block before the rows decide: the accelerator order (generation/batched.py)
     drafter_first = on_accelerator(drafter.device) or rows > 1
     share = measure_row_share(target, context_length, rows, probe) if rows > 1 and not late else 0.0
+    onednn_from = rows * (width - 1) + 1 if width else 0  # the rule counts a forward's tokens over all its rows
     return MachineCosts(tuple(fit.costs), chunk, full, step, drafter_first, fit.spread, fit.settled and finished,
-                        rows, timed_out=not finished, row_share=share)
+                        rows, timed_out=not finished, row_share=share, onednn_from=onednn_from,
+                        drafter_onednn=drafter_onednn)
 
 
 def measure_costs_fewer_threads(target: Any, drafter: Any, **kwargs: Any) -> MachineCosts | None:

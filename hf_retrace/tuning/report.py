@@ -17,6 +17,11 @@ def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
     batch = f" of a batch of {rows} rows (every figure in {rows}-row steps)" if rows > 1 else ""
     print(f"[hf-retrace] one-token target step{batch}: {costs['step_seconds'] * 1000:.1f} ms; drafter round: "
           f"{costs['draft_cost_chunk']:.2f} steps (2 slots scored), {costs['draft_cost_full']:.2f} (full block)")
+    if costs.get("onednn_from", 0) > 1 or not costs.get("drafter_onednn", True):
+        narrow = costs.get("onednn_from", 0)
+        print(f"[hf-retrace] kernels: target forwards of fewer than {narrow} new tokens run without torch's oneDNN "
+              f"(measured faster on this CPU), wider ones with it; the drafter's round "
+              f"{'with' if costs.get('drafter_onednn', True) else 'without'} it; every cost below is priced so")
     print("verify cost of k drafts, in one-token steps:")
     print("| k | " + " | ".join(str(k) for k in range(len(verify))) + " |")
     print("|---" * (len(verify) + 1) + "|")

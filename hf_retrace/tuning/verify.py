@@ -2,7 +2,9 @@
 drafter's recorded prompts, each policy's predicted tokens per step-cost beside the speed-up it realizes.
 
 Decode time excludes the prefill (a plain one-token ``generate`` per prompt, timed once, is subtracted), so the
-realized figure compares with the replay's, which prices decoding rounds only.
+realized figure compares with the replay's, which prices decoding rounds only. The plain arm decodes plainly as the
+tuned policy would (:func:`plain_view`): with the kernels it was priced with, so drafting is weighed against the
+fastest plain decoding measured, not against torch's default kernels.
 
 A batch's choice is checked the same way before the tuner keeps it (:func:`check_batch_choice`, each A/B a
 :func:`batch_check`): the replay's batch figure missed
@@ -29,11 +31,17 @@ from .costs import MachineCosts
 from .records import AnswerRecord, RoundRecords
 from .search import PLAIN_MARGIN, lookup_changes, runner_up
 
-__all__ = ["BATCH_CHECK_PROMPTS", "BATCH_CHECK_TOKENS", "BatchAB", "batch_check", "check_batch_choice", "verify_arms",
-           "verify_tuning"]
+__all__ = ["BATCH_CHECK_PROMPTS", "BATCH_CHECK_TOKENS", "BatchAB", "batch_check", "check_batch_choice", "plain_view",
+           "verify_arms", "verify_tuning"]
 
 BATCH_CHECK_TOKENS = 48  # new tokens per row in each arm of a batch's A/B
 BATCH_CHECK_PROMPTS = 16  # recorded prompts per A/B, in batches of the call's rows (at least two batches)
+
+
+def plain_view(drafter: Any, policy: RoundPolicy) -> Any:
+    """The drafter view that decodes plainly under ``policy``'s kernels (its target forwards narrower than
+    ``onednn_from`` without torch's oneDNN): plain decoding as the tuner priced it, one token per one-token step."""
+    return drafter.with_policy(policy.replace(speculate=False, source="tuned", reason="the A/B's plain arm"))
 
 
 def verify_arms(result: dict[str, Any], name: str, base: RoundPolicy) -> list[tuple[str, RoundPolicy | None]]:
@@ -88,7 +96,9 @@ def verify_tuning(target: Any, drafter: Any, result: dict[str, Any], records: Ro
         if not inputs:
             continue
         arms = verify_arms(result, name, base)
-        views = {label: drafter.with_policy(policy) if policy is not None else None for label, policy in arms}
+        chosen = RoundPolicy.from_dict(result["policies"][name])
+        views = {label: drafter.with_policy(policy) if policy is not None else plain_view(drafter, chosen)
+                 for label, policy in arms}
         for view in views.values():  # warm-up: first calls pay one-time costs
             _decode(target, view, inputs[0], 4, sampling)
         prefill = [_decode(target, None, ids, 1, sampling)[0] for ids in inputs]
@@ -100,13 +110,14 @@ def verify_tuning(target: Any, drafter: Any, result: dict[str, Any], records: Ro
                 took, new = _decode(target, view, ids, max_new_tokens, sampling)
                 seconds += max(took - prefill_seconds, 1e-9)
                 tokens += new - 1  # the prefill's token is not a decoded one
-                if view is not None and view.last_stats is not None:
+                if label != "plain" and view.last_stats is not None:
                     accepted += view.last_stats.acceptance_lengths
             speeds[label] = tokens / seconds
             taus[label] = sum(accepted) / len(accepted) if accepted else 1.0
         for label, policy in arms:
             rows.append({"temperature": "T=0" if name == "greedy" else "T>0", "arm": label,
-                         "policy": "plain decoding" if policy is None else policy.describe(),
+                         "policy": plain_view(drafter, chosen).round_policy.describe().split(":")[0]
+                         if policy is None else policy.describe(),
                          "predicted": 1.0 if policy is None or not policy.speculate else policy.expected_speedup,
                          "realized": speeds[label] / speeds["plain"], "tau": taus[label]})
     return rows
@@ -149,7 +160,7 @@ def batch_check(target: Any, drafter: Any, policy: RoundPolicy, answers: list[An
     pad = pad_token_id_of(target.generation_config)
     batches = max(2, -(-prompts // rows))
     chosen = [(a := answers[i % len(answers)]).tokens[: a.start] for i in range(batches * rows)]
-    view = drafter.with_policy(policy)
+    view, plain = drafter.with_policy(policy), plain_view(drafter, policy)
     sampling = sampling or {"do_sample": False}
 
     def seconds(batch: dict[str, torch.Tensor], assistant: Any, new_tokens: int) -> float:
@@ -166,10 +177,10 @@ def batch_check(target: Any, drafter: Any, policy: RoundPolicy, answers: list[An
         batch = left_padded(chosen[index * rows:(index + 1) * rows], pad, device)
         if index == 0:  # warm-up: a shape's first forwards cost more
             seconds(batch, view, 4)
-            seconds(batch, None, 4)
+            seconds(batch, plain, 4)
         prefill = seconds(batch, None, 1)
         plain_first = index % 2 == 0
-        arms = (None, view) if plain_first else (view, None)
+        arms = (plain, view) if plain_first else (view, plain)
         timed = [seconds(batch, arm, max_new_tokens) - prefill for arm in arms]
         half = totals[0 if index < batches / 2 else 1]
         for column, elapsed in enumerate(timed if plain_first else timed[::-1]):  # plain, drafted
