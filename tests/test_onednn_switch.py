@@ -225,3 +225,23 @@ def test_a_calls_hook_switches_only_its_own_threads_forwards():
             thread.join()
             model(input_ids=torch.zeros(1, 1, dtype=torch.long))
     assert model.seen == [(1, on), (1, False)]  # the other thread's one-token forward was not this call's
+
+
+def test_fixed_bench_policies_run_on_the_kernels_the_call_was_priced_with():
+    """The static grid and the shipped constants are compared with the default on the same forwards: their rounds,
+    the tuned policy's kernel rule (else a cell would measure torch's default kernels against the default's)."""
+    from hf_retrace.bench.methods import ALL_METHODS
+    from hf_retrace.generation.policy import resolve_policy
+
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)
+    tuned = RoundPolicy(speculate=False, confidence_cut=0.2, lookup=True, lookup_cap=32, verify_costs=(1.0, 1.2),
+                        draft_cost=0.2, onednn_from=4, drafter_onednn=False, source="tuned")
+    for name in ("static-0.3-8", "shipped"):
+        view = ALL_METHODS[name].drafter_view(drafter)
+        policy = resolve_policy(view, target, target.generation_config, resolver=lambda *a, **k: tuned)
+        assert policy.speculate and policy.verify_costs is None  # its own rounds, drafting, no guard
+        assert (policy.onednn_from, policy.drafter_onednn) == (4, False)
+    static = resolve_policy(ALL_METHODS["static-0.3-8"].drafter_view(drafter), target, target.generation_config,
+                            resolver=lambda *a, **k: tuned)
+    assert (static.confidence_cut, static.lookup_start, static.lookup_cap) == (0.3, 2, 8)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from ..configuration import RETRACE_ABLATIONS
-from ..generation.policy import shipped_policy
+from ..generation.policy import RoundPolicy, shipped_policy
 
 __all__ = ["ALL_METHODS", "DEFAULT_METHODS", "MAIN_DRAFTER", "OWN_DRAFTER_NAMES", "PROMPT_LOOKUP_NUM_TOKENS", "Method"]
 
@@ -14,6 +15,16 @@ PROMPT_LOOKUP_NUM_TOKENS = 10
 STATIC_CUTS = (None, 0.3, 0.5, 0.65)  # the small static grid the tuned default is checked against
 STATIC_CAPS = (4, 8, 16)
 MAIN_DRAFTER = "default"  # the --drafter key of the drafter every drafting method uses unless given its own
+KERNEL_FIELDS = ("onednn_from", "drafter_onednn")  # how the machine runs a forward, not a round's choice
+
+
+def _fixed(drafter: Any, policy: RoundPolicy) -> Any:
+    """A view that runs ``policy``'s rounds (no guard: it has no costs) on the kernels the call's own policy was priced
+    with (the tuned one's :data:`KERNEL_FIELDS`), so a fixed policy is compared with the default on the same forwards:
+    every other field replaces the call's."""
+    fields = {f.name: getattr(policy, f.name) for f in dataclasses.fields(policy)
+              if f.name not in KERNEL_FIELDS and f.name != "origin"}
+    return drafter.with_policy(**fields)
 
 
 @dataclass(frozen=True)
@@ -45,11 +56,11 @@ class Method:
             return drafter.with_policy()
         base = shipped_policy(drafter.config)
         if self.policy == "shipped":
-            return drafter.with_policy(base)
+            return _fixed(drafter, base)
         if self.policy == "static":
             cut, start, cap = self.static
-            return drafter.with_policy(base.replace(confidence_cut=cut, lookup=True, lookup_start=start,
-                                                    lookup_cap=cap, retrace=False, source=f"static {self.name}"))
+            return _fixed(drafter, base.replace(confidence_cut=cut, lookup=True, lookup_start=start, lookup_cap=cap,
+                                                retrace=False, source=f"static {self.name}"))
         changes = {"speculate": True, "lookup": self.lookup, "retrace": self.retrace,
                    "retrace_ablation": self.ablation, "kept_suffix_stats": self.retrace or self.full_block}
         if self.full_block:
@@ -88,10 +99,10 @@ ALL_METHODS: dict[str, Method] = {
                description="what a user gets: the drafter with the round policy tuned for this machine and temperature "
                "(or HF_RETRACE_POLICY), plain decoding where drafting does not pay"),
         Method("shipped", "drafter", lookup=True, policy="shipped",
-               description="the drafter with the static round policy its config ships (no tuning, no guard)"),
+               description="the drafter with the static round policy its config ships (no tuning, no guard; the tuned kernels)"),
         *[
             Method(f"static-{'full' if cut is None else cut}-{cap}", "drafter", lookup=True, policy="static",
-                   static=(cut, 2, cap), description=f"a static policy: confidence cut {cut}, lookup start 2 cap {cap}")
+                   static=(cut, 2, cap), description=f"a static policy: confidence cut {cut}, lookup start 2 cap {cap} (the tuned kernels)")
             for cut in STATIC_CUTS
             for cap in STATIC_CAPS
         ],
