@@ -471,7 +471,7 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
                   repeats: int = 5, attempts: int = ATTEMPTS, seconds: float = MEASURE_SECONDS,
                   rows: int = 1) -> MachineCosts:
     """This machine's :class:`MachineCosts` for ``target`` and ``drafter`` (about 4-5 s for a 135M target on 2 CPU
-    cores), at batch size ``rows``. Timings that stay unsettled (:attr:`VerifyFit.settled`) over ``attempts``, or that
+    cores; 8-10 s where both kernels are timed), at batch size ``rows``. Timings that stay unsettled (:attr:`VerifyFit.settled`) over ``attempts``, or that
     do not finish their passes within ``seconds``, give ``settled=False``.
 
     Where torch's oneDNN switch changes the target's kernels (:func:`onednn_switchable`), every verify width and the
