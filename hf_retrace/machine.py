@@ -87,9 +87,13 @@ def onednn_matmuls(enabled: bool) -> Iterator[None]:
 
     Only the on/off switch is touched. On a CPU with bf16 units torch sends bf16 matmuls to oneDNN, whose one-token
     forward can be far slower than torch's own kernels while a many-token one is far faster
-    (docs/bench/2026-12-06-epyc-onednn/). ``enabled=True`` leaves a process that turned oneDNN off as it is. The switch
+    (docs/bench/2026-12-06-epyc-onednn/). ``enabled=True`` changes nothing (a process, or an enclosing block, that
+    turned oneDNN off keeps it off) and costs nothing: a round asks for it thousands of times an answer. The switch
     is process-wide (:class:`_OneDNNSwitch`: threads that switch at once leave the process's setting as it was)."""
-    number = _OneDNNSwitch.push(enabled)
+    if enabled:
+        yield
+        return
+    number = _OneDNNSwitch.push(False)
     try:
         yield
     finally:

@@ -91,7 +91,7 @@ class MachineCosts:
     ``onednn_from`` / ``drafter_onednn``: the kernels every cost above was priced with, as a policy runs them
     (:class:`~hf_retrace.generation.policy.RoundPolicy`): target forwards under ``onednn_from`` new tokens without
     torch's oneDNN (0: all as the process runs them; the unit is then the faster one-token step), the drafter's round
-    without it where ``drafter_onednn`` is False (:func:`measure_onednn_off`).
+    without it where ``drafter_onednn`` is False (:func:`sample_onednn_off`, :func:`with_onednn_off`).
     """
 
     verify_costs: tuple[float, ...]

@@ -41,7 +41,7 @@ BATCH_CHECK_PROMPTS = 16  # recorded prompts per A/B, in batches of the call's r
 def plain_view(drafter: Any, policy: RoundPolicy) -> Any:
     """The drafter view that decodes plainly under ``policy``'s kernels (its target forwards narrower than
     ``onednn_from`` without torch's oneDNN): plain decoding as the tuner priced it, one token per one-token step."""
-    return drafter.with_policy(policy.replace(speculate=False, source="tuned", reason="the A/B's plain arm"))
+    return drafter.with_policy(policy.replace(speculate=False, source="tuned", reason=""))
 
 
 def verify_arms(result: dict[str, Any], name: str, base: RoundPolicy) -> list[tuple[str, RoundPolicy | None]]:
@@ -116,8 +116,7 @@ def verify_tuning(target: Any, drafter: Any, result: dict[str, Any], records: Ro
             taus[label] = sum(accepted) / len(accepted) if accepted else 1.0
         for label, policy in arms:
             rows.append({"temperature": "T=0" if name == "greedy" else "T>0", "arm": label,
-                         "policy": plain_view(drafter, chosen).round_policy.describe().split(":")[0]
-                         if policy is None else policy.describe(),
+                         "policy": (views[label].round_policy if policy is None else policy).describe(),
                          "predicted": 1.0 if policy is None or not policy.speculate else policy.expected_speedup,
                          "realized": speeds[label] / speeds["plain"], "tau": taus[label]})
     return rows
