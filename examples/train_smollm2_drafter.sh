@@ -163,14 +163,16 @@ shape_run() {  # shape_run LAYERS BLOCK GAMMA FLAGS...: one arm of the shape A/B
 }
 shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner trained on to the end of its curve
   # (RUN=$RUNS/shape-lL-bB-c2): initialized from its shape run, on breadth-data's answers (the shared 5,014 and
-  # make_drafter_data.sh's), 2 more epochs, a lower peak rate whose cosine ends at 0, both cores; re-run after a kill
+  # make_drafter_data.sh's), 2 more epochs, a lower peak rate whose cosine ends at 0, both cores; re-run after a kill.
+  # INIT=folder starts from another drafter and NAME names the run (stage 3 of the shipped drafter, on 10,861 answers:
+  # INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c3 EPOCHS=1 ... shape-continue 2 8 --draft-vocab-size 8960)
   local layers=$1 block=$2 precision=(--target-dtype float32)
   shift 2
   if python -c "import sys; from hf_retrace.machine import has_bf16_units; sys.exit(not has_bf16_units())"; then
     precision=(--target-dtype bfloat16 --bf16)
   fi
   hf-retrace train --stage backbone --target default --data "$BTOK" --features-dir "$BFEATS" \
-      --init-from "$RUNS/shape-l$layers-b$block" --out "$RUNS/shape-l$layers-b$block-c2" --resume \
+      --init-from "${INIT:-$RUNS/shape-l$layers-b$block}" --out "$RUNS/${NAME:-shape-l$layers-b$block-c2}" --resume \
       --num-anchors 48 --gamma "${GAMMA:-4}" --batch-size 2 --grad-accum 2 --lr "${LR:-3e-4}" --warmup-ratio 0.02 --max-grad-norm 1.0 \
       --epochs "${EPOCHS:-2}" --seed 1 --num-threads "${THREADS:-2}" "${precision[@]}" --save-dtype bfloat16 \
       --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-500}" --eval-limit 8 \
