@@ -280,7 +280,10 @@ def test_a_fine_tuned_drafter_takes_the_draft_vocabulary_of_its_new_data(tiny_ru
     assert main(_train_argv(root, tmp_path / "first", "--draft-vocab-size", "6")) == 0
     first = ReTraceDrafter.from_pretrained(tmp_path / "first")
     assert first.draft_vocab.tolist() == most_frequent(6)
+    (tmp_path / "first" / "round_records.json.gz").write_bytes(b"the first drafter's rounds")
     assert fine_tune(tmp_path / "kept") == 0
+    # new weights: the first drafter's recorded rounds do not travel with them (the tuner would replay the wrong drafter)
+    assert not (tmp_path / "kept" / "round_records.json.gz").exists()
     assert ReTraceDrafter.from_pretrained(tmp_path / "kept").draft_vocab.tolist() == most_frequent(6)
     assert fine_tune(tmp_path / "wider", "--draft-vocab-size", "12") == 0
     wider = ReTraceDrafter.from_pretrained(tmp_path / "wider")

@@ -115,7 +115,7 @@ def _build_drafter(args: argparse.Namespace, target: Any) -> tuple[ReTraceDrafte
     if args.init_from:
         drafter = ReTraceDrafter.from_pretrained(args.init_from, dtype=torch.float32)
         # new weights: the source's recorded rounds no longer describe them (save_pretrained must not carry them)
-        drafter.config._name_or_path = ""
+        drafter.config._name_or_path = drafter.name_or_path = ""  # (transformers 5 keeps both)
         init = f"fine-tuned from {args.init_from}"
     else:
         config = drafter_config_from_target(
