@@ -165,7 +165,8 @@ shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner tra
   # (RUN=$RUNS/shape-lL-bB-c2): initialized from its shape run, on breadth-data's answers (the shared 5,014 and
   # make_drafter_data.sh's), 2 more epochs, a lower peak rate whose cosine ends at 0, both cores; re-run after a kill.
   # INIT=folder starts from another drafter and NAME names the run (stage 3 of the shipped drafter, on 10,861 answers:
-  # INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c3 EPOCHS=1 ... shape-continue 2 8 --draft-vocab-size 8960)
+  # INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c3 EPOCHS=0.8 ... shape-continue 2 8 --draft-vocab-size 8960;
+  # measured, not shipped: docs/drafter-shapes.md)
   local layers=$1 block=$2 precision=(--target-dtype float32)
   shift 2
   if python -c "import sys; from hf_retrace.machine import has_bf16_units; sys.exit(not has_bf16_units())"; then

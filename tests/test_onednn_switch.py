@@ -245,3 +245,14 @@ def test_fixed_bench_policies_run_on_the_kernels_the_call_was_priced_with():
     static = resolve_policy(ALL_METHODS["static-0.3-8"].drafter_view(drafter), target, target.generation_config,
                             resolver=lambda *a, **k: tuned)
     assert (static.confidence_cut, static.lookup_start, static.lookup_cap) == (0.3, 2, 8)
+
+
+def test_asking_for_onednn_inside_a_block_that_turned_it_off_changes_nothing():
+    """``onednn_matmuls(True)`` is a no-op (a round asks for it thousands of times an answer): an enclosing block's
+    oneDNN-off stays in force inside it, and the process setting comes back after both."""
+    on = torch.backends.mkldnn.enabled
+    with onednn_matmuls(False):
+        with onednn_matmuls(True):
+            assert torch.backends.mkldnn.enabled is False
+        assert torch.backends.mkldnn.enabled is False
+    assert torch.backends.mkldnn.enabled == on
