@@ -5,6 +5,7 @@ files and concurrent writers, every override wins where documented, and plain de
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import multiprocessing
 import random
@@ -369,6 +370,54 @@ def test_the_replay_by_kind_splits_the_recorded_prompts_as_they_alternate(tmp_pa
     assert figures["GSM8K train"] == pytest.approx(replay(right, policy, 7)["tokens_per_cost"], abs=0.005)
     assert figures["GSM8K train"] > 2 > figures["MATH train"] == figures["second turns"]
     assert [int(row[1]) for row in rows[1:]] == [12, 2, 2, 2, 2, 2, 2]
+
+
+def test_the_replay_error_sets_each_bench_row_beside_its_own_rounds_priced_by_the_tuner(tmp_path, capsys):
+    """examples/replay_error.py: the default row is the tuner's own replay (its guard included), a static cell runs
+    without the guard but is priced with the same costs, measured verify seconds read in the tuner's one-token steps,
+    rows it cannot model are left out, and recorded benchmark answers are never written beside a model."""
+    import importlib.util
+    from pathlib import Path
+
+    from hf_retrace.defaults import default_drafter_path
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = importlib.util.spec_from_file_location("replay_error", examples / "replay_error.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    answers = _synthetic_answers(4, 0.0, False, n=4)  # every draft wrong: where drafting loses, the guard backs off
+    answers_file = tmp_path / "answers.json.gz"
+    with gzip.open(answers_file, "wt") as f:
+        json.dump({"gsm8k": [a.to_dict() for a in answers]}, f)
+    policy = ROWS.arm(RoundPolicy(confidence_cut=0.5, lookup=True, lookup_start=4, lookup_cap=32))
+    entry = tmp_path / "entry.json"
+    entry.write_text(json.dumps({"policies": {"greedy": policy.to_dict()}, "costs": {"step_seconds": 0.02}}))
+    drafted = {"rounds": 100, "tau_per_round": 1.2, "mean_draft_length": 3.0, "guard_plain_steps": 7,
+               "verify_seconds": 4.0, "decode_seconds_per_token": 0.025}
+    bench = {"results": {"gsm8k": {"plain-no-onednn": {"T=0": {"decode_seconds_per_token": 0.02}},
+                                   "default": {"T=0": drafted}, "static-0.5-8": {"T=0": drafted},
+                                   "dflash": {"T=0": drafted}}}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    argv = ["--bench", str(tmp_path / "bench.json"), "--policy", str(entry), "--answers", str(answers_file),
+            "--drafter", str(default_drafter_path())]
+    assert module.main(argv) == 0
+    rows = {row[1]: row for row in (line.split(" | ") for line in capsys.readouterr().out.splitlines()
+                                    if line.startswith("| gsm8k"))}
+    assert sorted(rows) == ["default", "static-0.5-8"]  # dflash: a method the replay does not model
+    guarded = replay(answers, policy, 7)
+    assert guarded["plain_steps"] > 0
+    assert float(rows["default"][6]) == pytest.approx(guarded["tokens_per_cost"], abs=0.005)
+    assert rows["default"][4] == f"{guarded['plain_steps']} / 7"
+    static = policy.replace(lookup_start=2, lookup_cap=8, verify_costs=None)  # the cell's knobs, as it runs: no guard
+    assert rows["static-0.5-8"][4] == f"{replay(answers, static, 7)['plain_steps']} / 7"
+    assert int(rows["static-0.5-8"][4].split()[0]) < guarded["plain_steps"]
+    assert float(rows["static-0.5-8"][6]) < float(rows["default"][6])  # unguarded, every wrong draft is paid for
+    assert rows["default"][5].split(" / ")[1].startswith("2.00 (")  # 4 s over 100 rounds, in steps of 20 ms
+    assert float(rows["default"][7].strip("| ")) == pytest.approx(0.8)  # 20 ms plain over 25 ms a token
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="outside any model or drafter folder"):
+        module.main(["--bench", str(tmp_path / "bench.json"), "--policy", str(entry), "--answers",
+                     str(tmp_path / "new.json.gz")])
 
 
 def test_the_width_cap_replay_caps_every_round_and_refuses_a_batch_1_entry(tmp_path, capsys):

@@ -30,7 +30,7 @@ from ..tuning.records import AnswerRecord, RoundRecords
 from .features import collate_sequences, tapped_hidden_states
 from .objective import DFlashObjective
 
-__all__ = ["record_answers", "record_round_records"]
+__all__ = ["greedy_answer", "record_answers", "record_round_records"]
 
 
 @torch.no_grad()
@@ -65,6 +65,12 @@ def _answer_item(prompt: torch.Tensor, answer: torch.Tensor) -> dict[str, torch.
 
 
 @torch.inference_mode()
+def greedy_answer(target: Any, prompt: torch.Tensor, max_new_tokens: int) -> dict[str, torch.Tensor]:
+    """The target's greedy answer to ``prompt`` (``[1, n]`` ids) as an item :func:`record_answers` reads."""
+    return _answer_item(prompt, target.generate(prompt, **sampling_kwargs(0, max_new_tokens)))
+
+
+@torch.inference_mode()
 def record_round_records(target: Any, drafter: Any, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int = 128,
                          temperature: float = 1.0, seed: int = 0, progress: bool = True) -> RoundRecords:
     """Record ``drafter``'s rounds on ``prompt_ids`` (held-out training prompts): greedy and sampled answers with
@@ -78,7 +84,7 @@ def record_round_records(target: Any, drafter: Any, prompt_ids: Sequence[Sequenc
     greedy, sampled, rounds = [], [], []
     for i, ids in enumerate(prompt_ids):
         prompt = torch.tensor([list(ids)], device=device)
-        greedy.append(_answer_item(prompt, target.generate(prompt, **sampling_kwargs(0, max_new_tokens))))
+        greedy.append(greedy_answer(target, prompt, max_new_tokens))
         torch.manual_seed(seed + i)
         sampled.append(_answer_item(prompt, target.generate(prompt, **sampling)))
         torch.manual_seed(seed + i)
