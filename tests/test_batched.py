@@ -487,8 +487,8 @@ def test_bench_batch_size_refuses_bad_values_before_any_model_loads(capsys):
 
     for argv, words in ((["bench", "--batch-size", "0"], "batch size of 1 or more"),
                         (["bench", "--batch-size", "4", "--plots", "p"], "drop it with --batch-size"),
-                        (["bench", "--batch-size", "4", "--repeats", "0"], "1 or more timings per batch"),
-                        (["bench", "--repeats", "3"], "add --batch-size N")):
+                        (["bench", "--batch-size", "4", "--repeats", "0"], "1 or more timings per request"),
+                        (["bench", "--repeats", "0"], "1 or more timings per request")):
         with pytest.raises(SystemExit, match=words):
             cli.main(argv)
 

@@ -293,6 +293,32 @@ def test_cli_end_to_end(assets, tmp_path, capsys, cli_without_training_commands)
     assert (tmp_path / "out.md").is_file() and (tmp_path / "plots" / "tau.png").is_file()
 
 
+def test_repeats_time_every_request_again_in_alternating_order_and_keep_the_median_call(assets, monkeypatch):
+    """--repeats R on the per-request benchmark: each method's call runs R times a turn, seeded alike (the same
+    tokens), the methods' order reversed every other repeat, and the call with the median decode time is reported."""
+    order, original = [], loop.timed_generate
+    scripted = iter([5.0, 1.0, 9.0, 3.0, 7.0, 2.0])  # seconds of each call, in the order they run
+
+    def timed(*args, **kwargs):
+        run = original(*args, **kwargs)
+        order.append("prompt-lookup" if "prompt_lookup_num_tokens" in kwargs else "plain")
+        return dataclasses.replace(run, seconds=100.0 + next(scripted))  # (far above any prefill)
+
+    monkeypatch.setattr(loop, "timed_generate", timed)
+    spec = BenchSpec(datasets=["gsm8k"], methods=["plain", "prompt-lookup"], temperatures=[0.0], max_new_tokens=6,
+                     limit=1, seeds=[0], target=assets["target"], dtype="fp32", progress=False, warmup=False,
+                     repeats=3)
+    report = runner.run_benchmark(spec)
+    assert order == ["plain", "prompt-lookup", "prompt-lookup", "plain", "plain", "prompt-lookup"]
+    plain, lookup = (report["results"]["gsm8k"][m]["T=0"] for m in ("plain", "prompt-lookup"))
+    assert plain["per_request"][0]["generate_seconds"] == 105.0  # plain's calls 5, 3, 7: the median
+    assert lookup["per_request"][0]["generate_seconds"] == 102.0  # prompt lookup's 1, 9, 2
+    assert lookup["mismatches"] == 0 and lookup["compared_requests"] == 1
+    assert report["settings"]["repeats"] == 3 and "timed 3 times" in report["settings"]["timing"]
+    with pytest.raises(BenchInputError, match="1 or more timings"):
+        plan_benchmark(dataclasses.replace(spec, repeats=0))
+
+
 def test_plain_without_onednn_runs_its_call_and_prefill_with_onednn_off_and_puts_it_back(assets, monkeypatch):
     """plain-no-onednn: the call and the prefill timed for it run with torch's oneDNN switched off (its speed-up is
     over plain with oneDNN as the process has it); plain and the others run as the process has it; the switch is put

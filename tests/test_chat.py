@@ -41,7 +41,7 @@ def _bench_inputs(tokenizer, monkeypatch) -> list[list[int]]:
 
     monkeypatch.setattr(loop, "timed_generate", fake_generate)
     bench = types.SimpleNamespace(
-        methods=[ALL_METHODS["plain"]], tokenizer=tokenizer, max_new_tokens=4, target=None, dtype="fp32",
+        methods=[ALL_METHODS["plain"]], tokenizer=tokenizer, max_new_tokens=4, target=None, dtype="fp32", repeats=1,
         prefill_seconds=lambda input_ids, onednn=True: 0.0, generate_kwargs=lambda method: {},
         rounds_of=lambda method: contextlib.nullcontext({"stats": None}),
     )

@@ -32,7 +32,7 @@ from ..generation.batched import left_padded
 from ..generation.placement import synchronize
 from ..sampling import sampling_kwargs
 from ..stats import GenerationStats
-from .loop import Bench
+from .loop import Bench, call_order
 from .plan import BenchPlan, BenchSpec
 
 __all__ = ["batched_markdown", "run_batched_benchmark"]
@@ -116,9 +116,7 @@ def run_batched_benchmark(spec: BenchSpec, plan: BenchPlan, batch_size: int, rep
                     rows_of, stats_of = {}, {}
                     times: dict[str, list[float]] = {m.name: [] for m in methods}
                     for repeat in range(repeats):
-                        # no method always first (or last) on a batch, nor in a batch's repeats
-                        order = methods if (index + repeat) % 2 == 0 else methods[::-1]
-                        for method in order:
+                        for method in call_order(methods, index + repeat):  # nor first on every batch
                             out, seconds = call(method, batch, temperature, seed, spec.max_new_tokens)
                             times[method.name].append(seconds)
                             if method.name not in rows_of:  # seeded alike: every repeat gives the same rows

@@ -26,7 +26,7 @@ from .methods import PROMPT_LOOKUP_NUM_TOKENS, Method
 from .plan import BenchPlan
 from .recording import recording_rounds
 
-__all__ = ["Bench", "TurnResult", "run_prompt"]
+__all__ = ["Bench", "TurnResult", "call_order", "median_call", "run_prompt"]
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Bench:
 
                 self.native_assistants[method.name] = build_native_assistant(self.drafters[method.name])
         self._prefill_cache: dict[tuple[bool | int, ...], float] = {}
+        self.repeats = plan.spec.repeats  # timed calls per request and method (the median kept)
 
     def generate_kwargs(self, method: Method) -> dict[str, Any]:
         if method.kind == "prompt-lookup":
@@ -126,32 +127,56 @@ def run_prompt(bench: Bench, prompt: BenchPrompt, temperature: float, seed: int,
     """Every method on one prompt, turn by turn; one :class:`TurnResult` per (turn, method).
 
     Each method keeps its own conversation: turn k's input holds the user turns so far with the method's own previous
-    answers between them (:func:`hf_retrace.chat.prompt_token_ids`). On every turn plain runs first: its answer is the
-    T=0 reference for the others.
+    answers between them (:func:`hf_retrace.chat.prompt_token_ids`). Plain's answer is the T=0 reference for the
+    others. With ``bench.repeats`` R > 1 each call runs R times, seeded alike (the same tokens each time), the
+    methods' order reversed every other repeat so that none always runs first or last, and the call whose decode time
+    is the median is kept: methods compared on one run drift against each other by a few percent.
     """
     sampling = sampling_kwargs(temperature, bench.max_new_tokens)
     histories: dict[str, list[str]] = {method.name: [] for method in bench.methods}
     results = []
     for turn, user_message in enumerate(prompt.turns):
-        plain: tuple[torch.Tensor, list[int]] | None = None
+        inputs = {method.name: torch.tensor([prompt_token_ids(bench.tokenizer, [user_message],
+                                                              [histories[method.name]])[0]], dtype=torch.long)
+                  for method in bench.methods}
+        calls: dict[str, list[tuple[Run, float, GenerationStats | None]]] = {m.name: [] for m in bench.methods}
+        for repeat in range(bench.repeats):
+            for method in call_order(bench.methods, repeat):
+                input_ids = inputs[method.name]
+                prefill_seconds = bench.prefill_seconds(input_ids, onednn=method.onednn)
+                torch.manual_seed(seed)
+                with bench.rounds_of(method) as rounds:
+                    run = timed_generate(bench.target, bench.tokenizer, input_ids,
+                                         attention_mask=torch.ones_like(input_ids), **bench.generate_kwargs(method),
+                                         **sampling)
+                calls[method.name].append((run, prefill_seconds, rounds["stats"]))
+        kept = {name: median_call(timed) for name, timed in calls.items()}
+        reference = next((m.name for m in bench.methods if m.kind == "plain"), None)
+        plain = None if reference is None else (inputs[reference], kept[reference][0].token_ids)
         for method in bench.methods:
-            history = histories[method.name]
-            token_ids = prompt_token_ids(bench.tokenizer, [user_message], [history])[0]
-            input_ids = torch.tensor([token_ids], dtype=torch.long)
-            prefill_seconds = bench.prefill_seconds(input_ids, onednn=method.onednn)
-
-            torch.manual_seed(seed)
-            with bench.rounds_of(method) as rounds:
-                run = timed_generate(bench.target, bench.tokenizer, input_ids,
-                                     attention_mask=torch.ones_like(input_ids), **bench.generate_kwargs(method),
-                                     **sampling)
-
-            if method.kind == "plain":
-                plain = (input_ids, run.token_ids)
+            run, prefill_seconds, stats = kept[method.name]
+            input_ids = inputs[method.name]
             comparison = compare_with_plain(bench.target, bench.dtype, method, temperature, input_ids,
                                             run.token_ids, plain)
-            histories[method.name] = [*history, user_message, run.text]
+            histories[method.name] = [*histories[method.name], user_message, run.text]
             results.append(TurnResult(prompt.id, turn, seed, method.name, input_ids.shape[1], run, prefill_seconds,
-                                      rounds["stats"], comparison))
+                                      stats, comparison))
             on_request()
     return results
+
+
+def call_order(methods: list[Method], repeat: int) -> list[Method]:
+    """The methods' order on ``repeat``: as given, reversed every other time, so that no method always runs first (or
+    last) on a request or a batch."""
+    return methods if repeat % 2 == 0 else methods[::-1]
+
+
+def median_call(calls: list[tuple[Run, float, Any]]) -> tuple[Run, float, Any]:
+    """Of one request's repeated calls ``(run, prefill seconds, stats)``, the one whose decode time (wall time minus
+    prefill) is the median (the lower of the middle two for an even count).
+
+    >>> [median_call([(Run([], "", s), 0.0, None) for s in times])[0].seconds for times in ([3, 1, 2], [4, 1, 3, 2])]
+    [2, 2]
+    """
+    ordered = sorted(calls, key=lambda call: call[0].seconds - call[1])
+    return ordered[(len(ordered) - 1) // 2]

@@ -45,6 +45,7 @@ class BenchSpec:
     compile: bool = False  # torch.compile the drafters' forward
     warmup: bool = True
     progress: bool = True
+    repeats: int = 1  # each request (or batch) timed this many times, the methods' order alternating; the median kept
 
 
 @dataclass
@@ -83,6 +84,8 @@ def _check_settings(spec: BenchSpec) -> None:
             f"unknown method(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
             f"choose from {', '.join(ALL_METHODS)} (comma-separated, or 'all')"
         )
+    if isinstance(spec.repeats, bool) or not isinstance(spec.repeats, int) or spec.repeats < 1:
+        raise BenchInputError(f"--repeats {spec.repeats!r}: give 1 or more timings per request (or batch) and method")
     if spec.max_new_tokens < 2:
         raise BenchInputError(f"--max-new-tokens must be at least 2 (one prefill token + decoded tokens), "
                               f"got {spec.max_new_tokens}")

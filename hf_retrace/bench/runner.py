@@ -116,9 +116,9 @@ def _warm_up(bench: Bench, spec: BenchSpec, plan: BenchPlan) -> None:
     """One short untimed request (the first prompt's first turn, every method); its prefill timings forgotten."""
     first_prompt = next(p for prompts in plan.prompts.values() for p in prompts)
     warm = dataclasses.replace(first_prompt, turns=first_prompt.turns[:1])
-    saved, bench.max_new_tokens = bench.max_new_tokens, min(spec.max_new_tokens, 16)
+    saved, bench.max_new_tokens, bench.repeats = (bench.max_new_tokens, bench.repeats), min(spec.max_new_tokens, 16), 1
     run_prompt(bench, warm, 0.0, spec.seeds[0])
-    bench.max_new_tokens = saved
+    bench.max_new_tokens, bench.repeats = saved
     bench.forget_prefill_timings()
 
 
@@ -178,7 +178,10 @@ def _settings(plan: BenchPlan) -> dict[str, Any]:
         "prompt_lookup_num_tokens": PROMPT_LOOKUP_NUM_TOKENS,
         "near_tie_ulps": NEAR_TIE_ULPS,
         "timing": "decode only: generate wall time minus one timed target prefill forward per request; "
-                  "tokens after the first (the prefill's)",
+                  "tokens after the first (the prefill's)" + (f"; each request timed {spec.repeats} times, the "
+                                                             "methods' order alternating, the median kept"
+                                                             if spec.repeats > 1 else ""),
+        "repeats": spec.repeats,
     }
 
 
