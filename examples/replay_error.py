@@ -14,8 +14,9 @@ against the speed-up measured over the run's fastest plain.
     python examples/replay_error.py --bench run.json --policy ~/.cache/hf_retrace/policies/KEY.json \\
         --answers ~/.cache/hf_retrace/replay-error/run-answers.json.gz
 
-Rows it can replay: ``default`` (the ``--policy`` file's T=0 choice: give the entry the run's default used),
-``shipped`` and ``static-*`` (fixed policies, no guard, priced with the same costs). Sets whose prompts have several
+Rows it can replay: every drafting method whose rounds the recorded blocks give (``default``, ``shipped``,
+``static-*``, ``dflash``, ``dflash+lookup``, ...), each resolved from the method's own view over the ``--policy``
+file's T=0 choice (give the entry the run's default used), guarded where the call was, priced with the same costs. Sets whose prompts have several
 turns (MT-Bench) are skipped: their rows mix turns whose texts the first turn alone does not give.
 """
 
@@ -30,34 +31,31 @@ from pathlib import Path
 from typing import Any
 
 
-def row_policy(method: str, greedy: Any, shipped: Any) -> tuple[Any, bool] | None:
-    """``(policy, guarded)`` a bench row ran, from its method name: the tuned T=0 choice ``greedy`` for ``default``
-    (guarded), the drafter's ``shipped`` policy and the ``static-*`` cells (``bench.methods.ALL_METHODS``) with the
-    same costs and knobs they ran (no guard); None for a method the replay does not model."""
+def row_policy(method: str, drafter: Any, greedy: Any) -> Any:
+    """The round policy a bench row ran, resolved as its call resolved it: the method's own drafter view
+    (``bench.methods.Method.drafter_view``) over the tuned T=0 choice ``greedy``; None for a row the recorded blocks
+    cannot replay (plain decoding, transformers' own paths, ReTrace: its blocks depend on the carry)."""
     from hf_retrace.bench.methods import ALL_METHODS
+    from hf_retrace.generation.policy import resolve_policy
 
-    if method == "default":
-        return greedy, True
-    if method == "shipped":
-        return shipped, False
     spec = ALL_METHODS.get(method)
-    if spec is None or spec.static is None:
+    if spec is None or spec.kind != "drafter" or spec.retrace:
         return None
-    cut, start, cap = spec.static
-    return greedy.replace(confidence_cut=cut, lookup=True, lookup_start=start, lookup_cap=cap), False
+    policy = resolve_policy(spec.drafter_view(drafter), None, None, resolver=lambda *args, **kwargs: greedy)
+    return policy if policy.speculate and policy.proposal_mode == "argmax" else None
 
 
-def priced_replay(answers: Sequence[Any], policy: Any, guarded: bool, max_drafts: int) -> dict[str, float]:
-    """The rounds ``policy`` runs on ``answers`` and their price under its costs: a guarded policy as the tuner
-    replays it; a fixed one walked without costs (no guard, as it runs) and its rounds then priced with them."""
+def priced_replay(answers: Sequence[Any], policy: Any, costs: Any, max_drafts: int) -> dict[str, float]:
+    """The rounds ``policy`` runs on ``answers`` (as it ran: with the guard where it has costs, a fixed policy
+    without) and their price under ``costs`` (a policy carrying the machine's measured costs)."""
     from hf_retrace.generation.policy import verify_cost
     from hf_retrace.tuning.replay import replay
 
-    walk = replay(answers, policy if guarded else policy.replace(verify_costs=None), max_drafts, keep_rounds=True)
+    walk = replay(answers, policy, max_drafts, keep_rounds=True)
     log = walk["round_log"]
     rounds = max(len(log), 1)
-    verify = sum(verify_cost(policy.verify_costs, k) for _, k, _ in log)
-    cost = sum(policy.round_cost(k, source == "lookup") for source, k, _ in log) + walk["plain_steps"]
+    verify = sum(verify_cost(costs.verify_costs, k) for _, k, _ in log)
+    cost = sum(costs.round_cost(k, source == "lookup") for source, k, _ in log) + walk["plain_steps"]
     return {"tau": walk["tau"], "drafted": sum(k for _, k, _ in log) / rounds, "plain_steps": walk["plain_steps"],
             "verify": verify / rounds, "tokens_per_cost": walk["tokens"] / cost if cost else 0.0}
 
@@ -70,15 +68,14 @@ def measured(row: dict[str, Any], fast: dict[str, Any], step_seconds: float) -> 
             "speedup": fast["decode_seconds_per_token"] / row["decode_seconds_per_token"]}
 
 
-def record_sets(bench: dict[str, Any], drafter_path: str | None, out: Path) -> dict[str, list[dict[str, Any]]]:
+def record_sets(bench: dict[str, Any], drafter: Any, out: Path) -> dict[str, list[dict[str, Any]]]:
     """The benchmark's single-turn sets recorded as the tuner's records are (its settings: prompts, tokens, dtype)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_retrace import ReTraceDrafter
     from hf_retrace.bench.datasets import load_prompts
     from hf_retrace.chat import prompt_token_ids
-    from hf_retrace.defaults import default_drafter_path, ensure_default_target
+    from hf_retrace.defaults import ensure_default_target
     from hf_retrace.training.calibrate import greedy_answer, record_answers
 
     settings = bench["settings"]
@@ -86,7 +83,7 @@ def record_sets(bench: dict[str, Any], drafter_path: str | None, out: Path) -> d
     path = ensure_default_target()
     tokenizer = AutoTokenizer.from_pretrained(path)
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    drafter = ReTraceDrafter.from_pretrained(drafter_path or default_drafter_path(), dtype=dtype).eval()
+    drafter = drafter.to(dtype)
     recorded = {}
     for name, limit in settings["datasets"].items():
         prompts = load_prompts(name, limit=limit)
@@ -104,9 +101,9 @@ def record_sets(bench: dict[str, Any], drafter_path: str | None, out: Path) -> d
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hf_retrace import ReTraceConfig
+    from hf_retrace import ReTraceDrafter
     from hf_retrace.defaults import default_drafter_path
-    from hf_retrace.generation.policy import RoundPolicy, shipped_policy
+    from hf_retrace.generation.policy import RoundPolicy
     from hf_retrace.tuning.records import AnswerRecord
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -134,13 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if answers_file.is_dir() or (answers_file.parent / "config.json").exists():
         raise SystemExit(f"--answers {answers_file}: give a file outside any model or drafter folder (benchmark "
                          "prompts must never reach a drafter's recorded rounds)")
+    drafter = ReTraceDrafter.from_pretrained(args.drafter or default_drafter_path()).eval()
     recorded = (json.load(gzip.open(answers_file, "rt", encoding="utf-8")) if answers_file.exists()
-                else record_sets(bench, args.drafter, answers_file))
-    drafter_config = ReTraceConfig.from_pretrained(args.drafter or default_drafter_path())
-    shipped = greedy.replace(**{f: getattr(shipped_policy(drafter_config), f) for f in
-                                ("confidence_cut", "lookup", "lookup_start", "lookup_cap", "lookup_min_ngram",
-                                 "lookup_max_ngram")})
-    max_drafts = drafter_config.block_size - 1
+                else record_sets(bench, drafter, answers_file))
+    max_drafts = drafter.config.block_size - 1
     print(f"costs: {args.policy} (one-token step {step * 1e3:.2f} ms); T=0 choice: {greedy.describe()}\n")
     print("| set | method | τ replay / bench | drafts a round | positions decoded plainly, replay / the guard's in the bench | verify a round, "
           "model / measured (steps) | tokens per step-cost, replay | speed-up over the fast plain, bench |")
@@ -150,10 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         fast = (rows.get("plain-no-onednn") or rows.get("plain") or {}).get("T=0")
         answers = [AnswerRecord(**r) for r in records]
         for method, by_temperature in rows.items():
-            row, ran = by_temperature.get("T=0"), row_policy(method, greedy, shipped)
+            row, ran = by_temperature.get("T=0"), row_policy(method, drafter, greedy)
             if row is None or ran is None or not row.get("rounds") or fast is None:
                 continue
-            replayed, real = priced_replay(answers, *ran, max_drafts), measured(row, fast, step)
+            replayed, real = priced_replay(answers, ran, greedy, max_drafts), measured(row, fast, step)
             print(f"| {name} | {method} | {replayed['tau']:.2f} / {real['tau']:.2f} | {replayed['drafted']:.2f} / "
                   f"{real['drafted']:.2f} | {replayed['plain_steps']} / {real['plain_steps']} | {replayed['verify']:.2f} / "
                   f"{real['verify']:.2f} ({real['verify'] / replayed['verify']:.2f}) | {replayed['tokens_per_cost']:.2f} | "

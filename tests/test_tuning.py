@@ -373,8 +373,9 @@ def test_the_replay_by_kind_splits_the_recorded_prompts_as_they_alternate(tmp_pa
 
 
 def test_the_replay_error_sets_each_bench_row_beside_its_own_rounds_priced_by_the_tuner(tmp_path, capsys):
-    """examples/replay_error.py: the default row is the tuner's own replay (its guard included), a static cell runs
-    without the guard but is priced with the same costs, measured verify seconds read in the tuner's one-token steps,
+    """examples/replay_error.py: each row's policy is its method's own view over the tuned choice (the default is the
+    tuner's own replay, its guard included; dflash the same without lookup), a static cell runs without the guard but
+    is priced with the same costs, measured verify seconds read in the tuner's one-token steps,
     rows it cannot model are left out, and recorded benchmark answers are never written beside a model."""
     import importlib.util
     from pathlib import Path
@@ -396,14 +397,15 @@ def test_the_replay_error_sets_each_bench_row_beside_its_own_rounds_priced_by_th
                "verify_seconds": 4.0, "decode_seconds_per_token": 0.025}
     bench = {"results": {"gsm8k": {"plain-no-onednn": {"T=0": {"decode_seconds_per_token": 0.02}},
                                    "default": {"T=0": drafted}, "static-0.5-8": {"T=0": drafted},
-                                   "dflash": {"T=0": drafted}}}}
+                                   "dflash": {"T=0": drafted}, "retrace": {"T=0": drafted},
+                                   "prompt-lookup": {"T=0": drafted}}}}
     (tmp_path / "bench.json").write_text(json.dumps(bench))
     argv = ["--bench", str(tmp_path / "bench.json"), "--policy", str(entry), "--answers", str(answers_file),
             "--drafter", str(default_drafter_path())]
     assert module.main(argv) == 0
     rows = {row[1]: row for row in (line.split(" | ") for line in capsys.readouterr().out.splitlines()
                                     if line.startswith("| gsm8k"))}
-    assert sorted(rows) == ["default", "static-0.5-8"]  # dflash: a method the replay does not model
+    assert sorted(rows) == ["default", "dflash", "static-0.5-8"]  # ReTrace and transformers' lookup: not replayable
     guarded = replay(answers, policy, 7)
     assert guarded["plain_steps"] > 0
     assert float(rows["default"][6]) == pytest.approx(guarded["tokens_per_cost"], abs=0.005)
@@ -412,6 +414,8 @@ def test_the_replay_error_sets_each_bench_row_beside_its_own_rounds_priced_by_th
     assert rows["static-0.5-8"][4] == f"{replay(answers, static, 7)['plain_steps']} / 7"
     assert int(rows["static-0.5-8"][4].split()[0]) < guarded["plain_steps"]
     assert float(rows["static-0.5-8"][6]) < float(rows["default"][6])  # unguarded, every wrong draft is paid for
+    alone = policy.replace(lookup=False)  # dflash: the tuned cut and guard, no lookup (the method's own view)
+    assert float(rows["dflash"][6]) == pytest.approx(replay(answers, alone, 7)["tokens_per_cost"], abs=0.005)
     assert rows["default"][5].split(" / ")[1].startswith("2.00 (")  # 4 s over 100 rounds, in steps of 20 ms
     assert float(rows["default"][7].strip("| ")) == pytest.approx(0.8)  # 20 ms plain over 25 ms a token
     (tmp_path / "config.json").write_text("{}")
