@@ -49,6 +49,12 @@ class GenerationStats:
         return [(a - 1, d, f) for a, d, f in zip(self.acceptance_lengths, self.draft_lengths, self.fused_suffix)]
 
     @property
+    def round_tokens(self) -> int:
+        """Tokens this call committed in its drafting rounds plus the guard's plain positions: every token after the
+        prefill's, where the call drafted (what a round policy's tokens per step-cost counts)."""
+        return sum(self.acceptance_lengths) + self.guard_plain_steps
+
+    @property
     def lookup_rounds(self) -> int:
         """Rounds whose block came from context lookup instead of the drafter (0 unless the hybrid is on)."""
         return self.round_sources.count("lookup")

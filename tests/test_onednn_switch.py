@@ -169,6 +169,38 @@ def test_measured_costs_price_the_cheaper_rule_in_the_faster_step(monkeypatch):
     assert measure_costs(target, drafter, max_drafts=8, context_length=8, repeats=3, seconds=1e6).onednn_from == 0
 
 
+@pytest.mark.parametrize("fault", ["cut short", "noisy"])
+def test_kernels_that_could_not_be_decided_leave_the_measurement_unsettled(monkeypatch, fault):
+    """Off timings cut short at their deadline, or whose one-token repeats disagree, used to settle on oneDNN at every
+    width: one busy moment, and every later call decoded on the slower kernels (issue 41). Now nothing settles."""
+    target = tiny_target(dtype=torch.float32)
+    drafter = tiny_drafter(target, block_size=4, dtype=torch.float32)
+
+    def fake_probe(*args, **kwargs):
+        return lambda k: 0.04 * (1 + 0.02 * k if torch.backends.mkldnn.enabled else 0.45 * (k + 1))
+
+    real = costs_module.sample_onednn_off
+
+    def faulty(*args, **kwargs):
+        off = real(*args, **kwargs)
+        if fault == "cut short":
+            off[8] = off[8][:1]
+        else:
+            off[0] = [value * factor for value, factor in zip(off[0], (0.5, 1.0, 1.6))]
+        return off
+
+    monkeypatch.setattr(costs_module, "_verify_probe", fake_probe)
+    monkeypatch.setattr(costs_module, "onednn_switchable", lambda target: True)
+    monkeypatch.setattr(costs_module, "sample_onednn_off", faulty)
+    with onednn_matmuls(True):
+        if not torch.backends.mkldnn.enabled:
+            pytest.skip("this torch has oneDNN off")
+        costs = measure_costs(target, drafter, max_drafts=8, context_length=8, repeats=3, seconds=1e6)
+    assert not costs.settled and costs.onednn_from == 0
+    assert costs.timed_out == (fault == "cut short")
+    assert ("spread" in costs.unsettled_cause()) == (fault == "noisy")
+
+
 def test_only_bf16_weights_on_a_cpu_with_onednn_bf16_kernels_are_timed_both_ways():
     assert not costs_module.onednn_switchable(tiny_target(dtype=torch.float32))  # fp32: the BLAS either way
     bf16 = tiny_target(dtype=torch.bfloat16)

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import random
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from helpers import tiny_drafter, tiny_target
 from test_tuning import FLAT, ROWS, _records
 
 import hf_retrace
+from hf_retrace import GenerationStats
 from hf_retrace.generation import policy as policy_module
 from hf_retrace.generation.policy import FIELD_RULES, RoundPolicy
 from hf_retrace.tuning import auto
@@ -226,10 +226,10 @@ def _fake_tune(calls: list, expected: float = 1.6):
     return tune
 
 
-def _stats(tokens_per_cost: float, rounds: int = 100) -> SimpleNamespace:
+def _stats(tokens_per_cost: float, rounds: int = 100) -> GenerationStats:
     """A call whose rounds commit 3 tokens each at a wall time giving ``tokens_per_cost`` against ROWS' step."""
     seconds = rounds * 3 / tokens_per_cost * ROWS.step_seconds
-    return SimpleNamespace(acceptance_lengths=[3] * rounds, guard_plain_steps=0, draft_seconds=seconds / 4,
+    return GenerationStats(acceptance_lengths=[3] * rounds, guard_plain_steps=0, draft_seconds=seconds / 4,
                            verify_seconds=3 * seconds / 4)
 
 
@@ -262,7 +262,7 @@ def test_a_cache_entry_whose_realized_figure_disagrees_is_measured_again(cache_d
 
 
 def test_the_realized_figure_is_tokens_over_the_rounds_wall_time_in_one_token_steps():
-    stats = SimpleNamespace(acceptance_lengths=[3, 1, 2], guard_plain_steps=4, draft_seconds=0.02, verify_seconds=0.1)
+    stats = GenerationStats(acceptance_lengths=[3, 1, 2], guard_plain_steps=4, draft_seconds=0.02, verify_seconds=0.1)
     tokens, cost = auto.realized_figure(stats, step_seconds=0.04)
     assert tokens == 3 + 1 + 2 + 4 and cost == pytest.approx(0.12 / 0.04 + 4)
 
@@ -274,7 +274,7 @@ def test_every_policy_field_has_one_rule():
 
 
 @pytest.mark.parametrize("field, value", [("lookup_cap", 1.5), ("draft_cost", "0.1"), ("lookup_start", 2.0),
-                                          ("confidence_cut", "0.3"), ("verify_costs", [1.0, "x"])])
+                                          ("confidence_cut", "0.3"), ("verify_costs", [1.0, "x"]), ("price", -0.9)])
 def test_a_cache_entry_with_a_field_of_the_wrong_type_is_measured_again(cache_dir, monkeypatch, pair, capsys, field,
                                                                         value):
     target, drafter = pair
@@ -471,7 +471,7 @@ def test_the_tune_command_says_where_it_cached_or_why_not_and_verifies(tmp_path,
         assert cli.main([*argv, "--verify"]) == 0
         out = capsys.readouterr().out
         assert "cached in" in out and "every later generate" in out
-        assert "predicted against realized" in out and "| T=0 | plain |" in out and out.count("| T=0 |") == 3
+        assert "against realized (decode speed" in out and "| T=0 | plain |" in out and out.count("| T=0 |") == 3
 
         def cannot_write(path, data):
             raise OSError(28, "No space left on device")
@@ -966,3 +966,105 @@ def test_a_batch_that_refuses_the_replays_choice_tries_the_shipped_constants_bef
     assert greedy.source == "shipped" and "shipped constants 1.27x (halves 1.30x, 1.25x)" in greedy.reason
     assert greedy.verify_costs == pytest.approx(FLAT.verify_costs)  # armed with the batch's costs
     assert result["batch_check"]["greedy_shipped"]["halves"] == [1.3, 1.25] and result["cached"]
+
+
+# --- the price of real rounds (issue 41, goal 3) ---------------------------------------------------------------------
+
+
+_REAL_DECODE = verify_module._decode
+
+
+def _priced_decode(monkeypatch, prices: tuple[float, float], per_token: float = 0.01, prefill: float = 0.05):
+    """``verify._decode`` running the real calls (their tokens and rounds) but clocked: a one-token call takes
+    ``prefill``, plain ``per_token`` a token more, and a drafted call of the price's pass ``i`` the replay's price of
+    its own rounds at ``per_token`` a step divided by ``prices[i]``: the price each pass must read."""
+    drafted = []
+
+    def decode(target, assistant, ids, max_new_tokens, sampling):
+        _, new = _REAL_DECODE(target, assistant, ids, max_new_tokens, sampling)
+        if max_new_tokens <= 4:  # the warm-up and the prefill
+            return prefill, new
+        if not assistant.round_policy.speculate:
+            return prefill + (new - 1) * per_token, new
+        drafted.append(1)
+        cost = verify_module.modelled_cost(assistant.last_stats, assistant.round_policy)
+        return prefill + cost * per_token / prices[(len(drafted) - 1) // verify_module.PRICE_PROMPTS], new
+
+    monkeypatch.setattr(verify_module, "_decode", decode)
+
+
+@pytest.fixture
+def recorded(pair):
+    from hf_retrace.training.calibrate import record_round_records
+
+    target, drafter = pair
+    prompts = [[5 + i, 9, 14 + i, 2, 7, 30 - i] for i in range(6)]
+    return record_round_records(target, drafter, prompts, max_new_tokens=32, progress=False)
+
+
+def test_the_price_is_the_realized_speedup_over_the_replays_figure_for_the_same_rounds(pair, recorded, monkeypatch):
+    target, drafter = pair
+    policy = FLAT.arm(RoundPolicy(confidence_cut=0.3))
+    _priced_decode(monkeypatch, (0.8, 0.8))
+    check = verify_module.measure_price(target, drafter, policy, recorded.greedy, step_seconds=0.01)
+    assert check.price == pytest.approx(0.8) and check.passes == pytest.approx((0.8, 0.8)) and not check.why
+    _priced_decode(monkeypatch, (0.7, 1.0, 0.74))  # a busy moment in one pass: a third, and the two that agree decide
+    check = verify_module.measure_price(target, drafter, policy, recorded.greedy, step_seconds=0.01)
+    assert check.passes == pytest.approx((0.7, 1.0, 0.74)) and 0.7 < check.price < 0.74
+    _priced_decode(monkeypatch, (0.6, 1.0, 1.4))  # no two agree: no price, and why
+    check = verify_module.measure_price(target, drafter, policy, recorded.greedy, step_seconds=0.01)
+    assert check.price is None and "no two of its 3 passes agree (0.60, 1.00, 1.40)" in check.why
+    # a target too slow for the calls to fit their seconds is not measured (and nothing runs)
+    monkeypatch.setattr(verify_module, "_decode", lambda *a: pytest.fail("no call may run"))
+    check = verify_module.measure_price(target, drafter, policy, recorded.greedy, step_seconds=1.0)
+    assert check.price is None and "would take about" in check.why
+    # recorded prompts of another vocabulary (another target's records) are not run either
+    foreign = [AnswerRecord([t + 1000 for t in a.tokens], a.start, a.drafts, a.confidences) for a in recorded.greedy]
+    check = verify_module.measure_price(target, drafter, policy, foreign, step_seconds=0.01)
+    assert check.price is None and "vocabulary" in check.why
+
+
+def test_a_measured_price_decides_plain_or_draft_and_is_carried_by_the_policy(cache_dir, monkeypatch, pair, capsys):
+    target, drafter = pair
+    monkeypatch.setattr(auto, "records_of", lambda d: _records(0.35, loops=False))  # drafts on FLAT: 1.3-1.5
+    prices = []
+
+    def price(target, drafter, policy, answers, step_seconds):
+        prices.append(policy)
+        return verify_module.PriceCheck(0.6, (0.6, 0.6))
+
+    monkeypatch.setattr(auto, "measure_price", price)
+    measure, calls = _measured(FLAT, FLAT)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    result, path = auto.tune_and_cache(target, drafter)
+    greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
+    # the replay alone would draft; at 0.6 of its figure drafting loses to plain, proved by a second measurement
+    assert not greedy.speculate and "at the measured price of its real rounds" in greedy.reason
+    assert "two measurements agree" in greedy.reason and len(calls) == 2 and len(prices) == 1  # one price, reused
+    assert prices[0].speculate and result["costs"]["price"] == 0.6 and result["measurements"][1]["price"] == 0.6
+    assert result["cached"] and json.loads(path.read_text())["prices"][0]["price"] == 0.6
+    # a price near 1 keeps drafting and the policy carries it: the speed-up it predicts is the figure times the price
+    monkeypatch.setattr(auto, "measure_price", lambda *a: verify_module.PriceCheck(0.95, (0.94, 0.96)))
+    measure, calls = _measured(FLAT)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    result, _ = auto.tune_and_cache(target, drafter)
+    greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
+    assert greedy.speculate and greedy.price == 0.95 and len(calls) == 1
+    assert greedy.predicted_speedup == pytest.approx(greedy.expected_speedup * 0.95)
+    assert f"about {greedy.predicted_speedup:.2f}x plain at this machine's measured price" in greedy.describe()
+    # a price that did not settle changes nothing: the replay's figure decides alone, as before
+    monkeypatch.setattr(auto, "measure_price", lambda *a: verify_module.PriceCheck(None, (0.6, 0.9), "disagree"))
+    measure, calls = _measured(FLAT)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    result, _ = auto.tune_and_cache(target, drafter)
+    greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
+    assert greedy.speculate and greedy.price is None and result["costs"]["price"] is None
+
+
+def test_a_price_is_not_measured_for_a_batch_or_without_recorded_rounds(cache_dir, monkeypatch, pair):
+    target, drafter = pair
+    monkeypatch.setattr(auto, "measure_price", lambda *a: pytest.fail("no price here"))
+    monkeypatch.setattr(auto, "records_of", lambda d: None)
+    measure, _ = _measured(FLAT)
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    assert auto.tune(target, drafter)["costs"]["price"] is None

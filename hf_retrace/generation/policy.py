@@ -89,6 +89,7 @@ FIELD_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "source": _TEXT,
     "reason": _TEXT,
     "expected_speedup": (lambda v: v is None or (_is_real(v) and v > 0), "must be null / None or a number > 0"),
+    "price": (lambda v: v is None or (_is_real(v) and v > 0), "must be null / None or a number > 0"),
 }
 
 
@@ -161,6 +162,9 @@ class RoundPolicy:
       short verifies) run with oneDNN off, wider ones as the process runs them (0: all of them); the drafter's round
       runs with oneDNN off where ``drafter_onednn`` is False. The costs above are priced so.
     - ``source``: where the policy came from (``shipped``, ``tuned``, ``explicit``, ``env``, ``file``).
+    - ``expected_speedup`` / ``price`` (tuned policies): the replay's tokens per step-cost, and this machine's measured
+      price of its real rounds (real calls' speed-up over plain ``generate`` / the replay's figure for the same rounds,
+      :func:`hf_retrace.tuning.verify.measure_price`); the speed-up a call can expect is their product.
     """
 
     speculate: bool = True
@@ -183,6 +187,7 @@ class RoundPolicy:
     source: str = "explicit"
     reason: str = ""
     expected_speedup: float | None = None  # the replay's tokens per step-cost (tuned policies only)
+    price: float | None = None  # real calls' speed-up over plain generate / the replay's figure on the same rounds
     origin: CacheOrigin | None = field(default=None, compare=False, hash=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -288,7 +293,17 @@ class RoundPolicy:
         text = "; ".join(parts) + f" (policy: {self.source}"
         if self.expected_speedup is not None:
             text += f", replayed {self.expected_speedup:.2f} tokens per step-cost"
+            if self.price is not None:
+                text += f", about {self.predicted_speedup:.2f}x plain at this machine's measured price"
         return text + ")"
+
+    @property
+    def predicted_speedup(self) -> float | None:
+        """The speed-up over plain ``generate`` a tuned policy predicts: its replayed tokens per step-cost times this
+        machine's measured price of real rounds, where measured (None without a replayed figure)."""
+        if self.expected_speedup is None:
+            return None
+        return self.expected_speedup * (self.price if self.price is not None else 1.0)
 
 
 class RoundGuard:

@@ -42,14 +42,15 @@ from ..machine import cpu_info
 from ..generation.policy import CacheOrigin, RoundPolicy, shipped_policy
 from .costs import MachineCosts, measure_costs, measure_costs_fewer_threads
 from .records import RECORDS_FILENAME, RoundRecords
-from .search import LOOKUP_BUDGETS, PLAIN_MARGIN, choose_policies
-from .verify import check_batch_choice
+from .search import LOOKUP_BUDGETS, PLAIN_MARGIN, apply_price, choose_policies
+from .verify import check_batch_choice, measure_price
 
 __all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine_key", "note_realized",
            "policy_cache_dir", "realized_figure", "records_of", "tune", "tune_and_cache", "tuned_policies"]
 
 POLICY_ENV_VAR = "HF_RETRACE_POLICY"
-CACHE_FORMAT = 3  # 2: robust costs, plain proved by two measurements, realized figures; 3: oneDNN per forward width
+CACHE_FORMAT = 4  # 2: robust costs, plain proved by two measurements, realized figures; 3: oneDNN per forward width;
+# 4: the price of real rounds measured (costs.price, decisions at it)
 # how a batch is priced (issue 39): 2 = forwards timed as the batch loop runs them (padding, masked slots, a mask)
 # and the rows replayed in lockstep; an entry priced otherwise is tuned again
 BATCH_PRICING = 2
@@ -176,9 +177,11 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
         result["unsettled"] = True
         return _finish(result, policies, {}, started, _unsettled_note(costs))
     choice = _choose(records, costs, base)
+    costs, choice = _priced(target, drafter, records, costs, choice, result, rows)
+    result["costs"] = result["measurements"][0] = costs.to_dict()
     plain = [name for name in NAMES if not choice[name].speculate]
     if plain:  # one measurement never decides plain decoding
-        second = measure_costs(target, drafter, max_drafts=longest, rows=rows)
+        second = replace(measure_costs(target, drafter, max_drafts=longest, rows=rows), price=costs.price)
         result["measurements"].append(second.to_dict())
         if not second.settled:
             for name in plain:
@@ -186,7 +189,7 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
             result["unsettled"] = True
             return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started,
                            _unsettled_note(second))
-        again = _choose(records, second, base)
+        again = _choose(records, second, base)  # at the first's price: two of its passes agreed already
         for name in plain:
             if again[name].speculate:  # the two disagree: plain is not proved, draft (the guard still backs off)
                 choice[name] = again[name].replace(reason="a second measurement found drafting that pays")
@@ -196,6 +199,23 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
     note = check_batch_choice(target, drafter, records, choice, result, rows) if rows > 1 and records is not None \
         else ""
     return _finish(result, {name: choice[name] for name in NAMES}, choice["tables"], started, note)
+
+
+def _priced(target: Any, drafter: Any, records: RoundRecords | None, costs: MachineCosts, choice: dict[str, Any],
+            result: dict[str, Any], rows: int) -> tuple[MachineCosts, dict[str, Any]]:
+    """``costs`` with the measured price of real rounds and ``choice`` decided again at it
+    (:func:`.search.apply_price`), at batch size 1 with recorded T=0 answers: the T=0 choice's rounds, or where it is plain the best replayed
+    drafting policy's (a plain choice keeps its knobs), timed in real calls against plain ``generate``
+    (:func:`.verify.measure_price`, two of whose passes must agree); the check is appended to ``result["prices"]``.
+    Unchanged where the price is not measured or does not settle (the replay's figure alone decides, as before)."""
+    if rows != 1 or records is None or not records.greedy or "replayed" not in choice:
+        return costs, choice
+    policy = choice["greedy"].replace(speculate=True, source="tuned", reason="")
+    check = measure_price(target, drafter, policy, records.greedy, costs.step_seconds)
+    result.setdefault("prices", []).append(check.to_dict())
+    if check.price is None:
+        return costs, choice
+    return replace(costs, price=round(check.price, 3)), apply_price(choice, round(check.price, 3))
 
 
 def _stand_in_choice(result: dict[str, Any], records: RoundRecords | None, costs: MachineCosts,
@@ -376,7 +396,7 @@ def realized_figure(stats: Any, step_seconds: float) -> tuple[float, float]:
     """``(tokens, step-costs)`` one call committed and paid in its drafting rounds: the tokens of every round plus
     the guard's plain positions, over the rounds' wall time (drafter and verify, as the generator clocks them) in
     one-token steps of ``step_seconds`` plus one step per plain position."""
-    tokens = sum(stats.acceptance_lengths) + stats.guard_plain_steps
+    tokens = stats.round_tokens
     cost = (stats.draft_seconds + stats.verify_seconds) / step_seconds + stats.guard_plain_steps
     return float(tokens), float(cost)
 

@@ -91,7 +91,11 @@ class MachineCosts:
     ``onednn_from`` / ``drafter_onednn``: the kernels every cost above was priced with, as a policy runs them
     (:class:`~hf_retrace.generation.policy.RoundPolicy`): target forwards under ``onednn_from`` new tokens without
     torch's oneDNN (0: all as the process runs them; the unit is then the faster one-token step), the drafter's round
-    without it where ``drafter_onednn`` is False (:func:`sample_onednn_off`, :func:`with_onednn_off`).
+    without it where ``drafter_onednn`` is False (:func:`sample_onednn_off`, :func:`with_onednn_off`);
+    ``price``: what real rounds cost against the figures above, measured on real calls
+    (:func:`~hf_retrace.tuning.verify.measure_price`: their speed-up over plain ``generate`` / the replay's tokens per
+    step-cost for the same rounds; None where not measured or unsettled). The forwards above are timed alone; a real
+    round also pays the assisted loop's own work, and plain ``generate``'s step is not the probe's.
     """
 
     verify_costs: tuple[float, ...]
@@ -107,6 +111,7 @@ class MachineCosts:
     threads: int = 0
     onednn_from: int = 0
     drafter_onednn: bool = True
+    price: float | None = None
 
     def unsettled_cause(self) -> str:
         """Why the timings decide nothing, in words ("" when settled)."""
@@ -135,7 +140,8 @@ class MachineCosts:
         costs = replace(self, drafter_first=in_one)
         lookup = LOOKUP_COST + (costs.draft_cost_full if costs.drafter_first else 0.0)
         return policy.replace(verify_costs=costs.verify_costs, draft_cost=costs.draft_cost(policy.confidence_cut),
-                              lookup_cost=lookup, onednn_from=self.onednn_from, drafter_onednn=self.drafter_onednn)
+                              lookup_cost=lookup, onednn_from=self.onednn_from, drafter_onednn=self.drafter_onednn,
+                              price=self.price)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -150,7 +156,8 @@ class MachineCosts:
                    float(data.get("spread", 0.0)), bool(data.get("settled", True)), int(data.get("rows", 1)),
                    bool(data.get("timed_out", False)), float(data.get("row_share", 0.0)),
                    int(data.get("threads", 0)), int(data.get("onednn_from", 0)),
-                   bool(data.get("drafter_onednn", True)))
+                   bool(data.get("drafter_onednn", True)),
+                   None if data.get("price") is None else float(data["price"]))
 
 
 def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
@@ -496,14 +503,19 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
     if not late and fit.settled and finished and onednn_switchable(target):
         off = sample_onednn_off(probe, _probe_points(max_drafts), repeats,
                                 deadline=time.perf_counter() + seconds / 2)
+        # kernels that could not be decided decide nothing: settled on oneDNN everywhere, a busy moment would make
+        # every later call decode on the slower kernels for good (issue 41); unsettled, it is timed again later
+        finished = all(len(off.get(k, ())) >= MIN_PASSES for k in [0, *ratios])
         width, unit, mixed = with_onednn_off(ratios, off)
         if width:
             mixed_fit = fit_verify_costs(mixed, max_drafts)
             mixed_fit = replace(mixed_fit, spread=max(mixed_fit.spread, _spread(off[0])))
             if mixed_fit.settled:
                 fit = mixed_fit
-            else:  # timings without oneDNN too noisy to trust: nothing is switched
+            else:  # timings without oneDNN too noisy to trust: nothing is switched, and nothing settled
                 width, unit = 0, 1.0
+                fit = replace(fit, spread=max(fit.spread, mixed_fit.spread),
+                              implausible=tuple(sorted({*fit.implausible, *mixed_fit.implausible})))
     if width:
         off_chunk, off_full = measure_draft_cost(target, drafter, step, context_length, repeats,
                                                  step_probe=lambda: probe(0), rows=rows, onednn=False)

@@ -26,6 +26,14 @@ def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
     print("| k | " + " | ".join(str(k) for k in range(len(verify))) + " |")
     print("|---" * (len(verify) + 1) + "|")
     print("| cost | " + " | ".join(f"{c:.2f}" for c in verify) + " |")
+    for check in result.get("prices", []):
+        if check["price"] is not None:
+            passes = ", ".join(f"{f:.2f}" for f in check["passes"])
+            print(f"[hf-retrace] price of real rounds: {check['price']:.2f} of the replay's tokens per step-cost (real "
+                  f"calls against plain generate on recorded prompts, passes: {passes}); a policy's speed-up over "
+                  "plain is its replayed figure times this")
+        else:
+            print(f"[hf-retrace] price of real rounds not used: {check['why']}")
     for name, label in (("greedy", "T=0"), ("sampled", "T>0")):
         table = result.get("tables", {}).get(name)
         if show_table and table:
@@ -58,7 +66,8 @@ def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
 
 def print_verification(rows: list[dict[str, Any]]) -> None:
     """Print ``verify_tuning``'s rows: each arm's predicted tokens per step-cost against its realized speed-up."""
-    print("\npredicted against realized (decode speed over plain, prefill excluded):")
+    print("\npredicted (the replay's figure times the measured price of real rounds, where measured) against realized "
+          "(decode speed over plain, prefill excluded):")
     print("| T | arm | policy | predicted | realized | realized / predicted | tau |\n|---|---|---|---|---|---|---|")
     for row in rows:
         predicted = row["predicted"]

@@ -21,13 +21,13 @@ from .costs import MachineCosts
 from .records import RoundRecords
 from .replay import accepted_prefix, replay, replay_rounds
 
-__all__ = ["CUTS", "LOOKUP_BUDGETS", "PLAIN_MARGIN", "TIE", "best_row", "choose_policies", "lookup_changes",
-           "runner_up", "search_policy"]
+__all__ = ["CUTS", "LOOKUP_BUDGETS", "PLAIN_MARGIN", "TIE", "apply_price", "best_row", "choose_policies", "decide",
+           "lookup_changes", "runner_up", "search_policy"]
 
 CUTS: tuple[float | None, ...] = (None, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.8, 0.9)
 LOOKUP_BUDGETS: tuple[tuple[int, int] | None, ...] = (None, (1, 2), (1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16),
                                                        (3, 8), (3, 16), (4, 32))
-PLAIN_MARGIN = 0.05  # speculate only where the replay beats plain by 5 %: the model of a round misses loop overhead
+PLAIN_MARGIN = 0.05  # speculate only where the replay (times the measured price of real rounds) beats plain by 5 %
 TIE = 0.005  # rows within 0.5 % of the best are a tie: below what two measurements of one machine agree on
 
 
@@ -86,11 +86,12 @@ def runner_up(table: Sequence[dict[str, Any]], chosen: dict[str, Any] | None = N
 
 
 def choose_policies(records: RoundRecords, costs: MachineCosts, base: RoundPolicy) -> dict[str, Any]:
-    """``{"greedy": policy, "sampled": policy, "tables": ...}``: the tuned policy per temperature (greedy: T=0;
-    sampled: T>0, recorded at ``records.temperature``). A temperature without records keeps ``base`` (with the
-    guard armed by the measured costs)."""
+    """``{"greedy": policy, "sampled": policy, "tables": ..., "replayed": ...}``: the tuned policy per temperature
+    (greedy: T=0; sampled: T>0, recorded at ``records.temperature``; ``replayed``: the best row's tokens per step-cost)
+    decided by :func:`decide` at ``costs.price``. A temperature without records keeps ``base`` (with the guard armed
+    by the measured costs)."""
     max_drafts = records.block_size - 1
-    result: dict[str, Any] = {"tables": {}}
+    result: dict[str, Any] = {"tables": {}, "replayed": {}}
     for name, answers in (("greedy", records.greedy), ("sampled", records.sampled)):
         if not answers:
             result[name] = costs.arm(base).replace(source="shipped", reason="no recorded rounds to replay")
@@ -99,15 +100,33 @@ def choose_policies(records: RoundRecords, costs: MachineCosts, base: RoundPolic
         policy = best["policy"]
         if name == "sampled" and records.sample_rounds:
             policy = _proposal_mode(records, policy, costs, result["tables"])
-        speedup = best["tokens_per_cost"]
-        if speedup < 1 + PLAIN_MARGIN:
-            policy = _plain(f"the best replayed policy commits {speedup:.2f} tokens per step-cost on this machine, "
-                            f"under plain decoding's 1 + {PLAIN_MARGIN:g}", policy)
-        else:
-            policy = policy.replace(source="tuned", expected_speedup=round(speedup, 3))
-        result[name] = policy
+        result["replayed"][name] = best["tokens_per_cost"]
+        result[name] = decide(policy, best["tokens_per_cost"], costs.price)
         result["tables"][name] = [{k: v for k, v in row.items() if k != "policy"} for row in table]
     return result
+
+
+def decide(policy: RoundPolicy, speedup: float, price: float | None = None) -> RoundPolicy:
+    """``policy`` (the best replayed drafting policy, ``speedup`` its tokens per step-cost) where it beats plain
+    decoding by :data:`PLAIN_MARGIN` at this machine's measured ``price`` of real rounds (None: not measured, the
+    replay's figure alone); else plain decoding that keeps its knobs. The one plain-or-draft rule of the search."""
+    expected = speedup * (price if price is not None else 1.0)
+    if expected < 1 + PLAIN_MARGIN:
+        priced = f", {expected:.2f} at the measured price of its real rounds" if price is not None else ""
+        return _plain(f"the best replayed policy commits {speedup:.2f} tokens per step-cost on this machine{priced}, "
+                      f"under plain decoding's 1 + {PLAIN_MARGIN:g}", policy.replace(price=price))
+    return policy.replace(speculate=True, source="tuned", reason="", expected_speedup=round(speedup, 3), price=price)
+
+
+def apply_price(choice: dict[str, Any], price: float | None) -> dict[str, Any]:
+    """:func:`choose_policies`' ``choice`` decided again at the measured ``price`` of real rounds (no replay: the
+    price scales every row alike, so only the plain-or-draft decision can move); unchanged where ``price`` is None or a
+    temperature was not replayed."""
+    if price is None:
+        return choice
+    for name, speedup in choice.get("replayed", {}).items():
+        choice[name] = decide(choice[name], speedup, price)
+    return choice
 
 
 def _proposal_mode(records: RoundRecords, policy: RoundPolicy, costs: MachineCosts, tables: dict) -> RoundPolicy:

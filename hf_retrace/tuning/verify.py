@@ -31,8 +31,8 @@ from .costs import MachineCosts
 from .records import AnswerRecord, RoundRecords
 from .search import PLAIN_MARGIN, lookup_changes, runner_up
 
-__all__ = ["BATCH_CHECK_PROMPTS", "BATCH_CHECK_TOKENS", "BatchAB", "batch_check", "check_batch_choice", "plain_view",
-           "verify_arms", "verify_tuning"]
+__all__ = ["BATCH_CHECK_PROMPTS", "BATCH_CHECK_TOKENS", "BatchAB", "PriceCheck", "batch_check", "check_batch_choice",
+           "measure_price", "modelled_cost", "plain_view", "verify_arms", "verify_tuning"]
 
 BATCH_CHECK_TOKENS = 48  # new tokens per row in each arm of a batch's A/B
 BATCH_CHECK_PROMPTS = 16  # recorded prompts per A/B, in batches of the call's rows (at least two batches)
@@ -76,16 +76,19 @@ def _decode(target: Any, assistant: Any, ids: torch.Tensor, max_new_tokens: int,
     """(seconds, new tokens) of one ``generate`` call, seeded so sampled arms draw alike."""
     torch.manual_seed(0)
     kwargs = {"assistant_model": assistant} if assistant is not None else {}
+    synchronize(ids.device)
     started = time.perf_counter()
     out = target.generate(ids, max_new_tokens=max_new_tokens, **sampling, **kwargs)
+    synchronize(ids.device)
     return time.perf_counter() - started, out.shape[1] - ids.shape[1]
 
 
 @torch.inference_mode()
 def verify_tuning(target: Any, drafter: Any, result: dict[str, Any], records: RoundRecords, prompts: int = 4,
                   max_new_tokens: int = 64) -> list[dict[str, Any]]:
-    """One row per temperature and arm (:func:`verify_arms`): ``predicted`` (the replay's tokens per step-cost; plain
-    = 1), ``realized`` (decode tokens per second over plain's on the same prompts) and ``tau``."""
+    """One row per temperature and arm (:func:`verify_arms`): ``predicted`` (the replay's tokens per step-cost times
+    the measured price of real rounds where the tuning measured one; plain = 1), ``realized`` (decode tokens per
+    second over plain's on the same prompts) and ``tau``."""
     base = shipped_policy(drafter.config)
     device = target.get_input_embeddings().weight.device
     rows = []
@@ -117,9 +120,116 @@ def verify_tuning(target: Any, drafter: Any, result: dict[str, Any], records: Ro
         for label, policy in arms:
             rows.append({"temperature": "T=0" if name == "greedy" else "T>0", "arm": label,
                          "policy": (views[label].round_policy if policy is None else policy).describe(),
-                         "predicted": 1.0 if policy is None or not policy.speculate else policy.expected_speedup,
+                         "predicted": 1.0 if policy is None or not policy.speculate else policy.predicted_speedup,
                          "realized": speeds[label] / speeds["plain"], "tau": taus[label]})
     return rows
+
+
+PRICE_TOKENS = 20  # new tokens per arm and prompt in the price's real calls
+PRICE_PROMPTS = 4  # recorded prompts, spread over the records' kinds
+PRICE_PASSES = 2  # passes over them (the second in the reverse order): two measurements that must agree
+PRICE_EXTRA_PASSES = 1  # where they do not, passes more (a passing load): the two that agree best decide
+PRICE_SPREAD = 0.15  # the passes disagree when they are further apart than this share of the whole's price
+PRICE_PLAUSIBLE = (0.5, 1.5)  # a price outside this range is a timing fault, not the loop's work: no price
+PRICE_SECONDS = 12.0  # the price is not measured where its calls would take longer (a slow target: the replay's
+# figure stands alone, as before the price was measured)
+
+
+class PriceCheck(NamedTuple):
+    """:func:`measure_price`'s answer: ``price`` (None where not measured or unsettled), ``passes`` (the price each
+    pass read) and ``why`` there is no price ("" where there is)."""
+
+    price: float | None
+    passes: tuple[float, ...] = ()
+    why: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"price": None if self.price is None else round(self.price, 3),
+                "passes": [round(f, 3) for f in self.passes], "why": self.why}
+
+
+def modelled_cost(stats: Any, policy: RoundPolicy) -> float:
+    """The step-costs of one call's rounds as the replay prices them: each round at ``policy``'s
+    :meth:`~hf_retrace.generation.policy.RoundPolicy.round_cost` for what it drafted and from where, each of the
+    guard's plain positions at one step."""
+    return sum(policy.round_cost(drafted, source == "lookup")
+               for drafted, source in zip(stats.draft_lengths, stats.round_sources)) + stats.guard_plain_steps
+
+
+@torch.inference_mode()
+def measure_price(target: Any, drafter: Any, policy: RoundPolicy, answers: list[AnswerRecord], step_seconds: float,
+                  max_new_tokens: int = PRICE_TOKENS, prompts: int = PRICE_PROMPTS) -> PriceCheck:
+    """What ``policy``'s real rounds cost on this machine against the replay's model of them. On ``prompts`` recorded
+    prompts (T=0, spread over the records' kinds), plain ``generate`` (with the kernels ``policy`` prices plain
+    decoding with, :func:`plain_view`) and the drafted call, their order swapped from call to call, a timed one-token
+    call per prompt (its prefill) taken off both. The replay prices the very rounds each drafted call ran
+    (:func:`modelled_cost`, in steps); at plain's measured seconds per token that predicts the drafted call's decode
+    seconds. ``price`` = predicted seconds / real seconds, pooled: the realized speed-up over plain / the replay's
+    tokens per step-cost for the same rounds, where tau cancels (the same text) and what is left is the price of a
+    round, the assisted loop's own work and plain ``generate``'s real step against the forwards the tuner timed alone
+    (on a 2-core EPYC in bf16: 0.76-0.91, docs/round-policy.md). Two passes over the same prompts (the second in the
+    reverse order: a load that lasts cancels in each call pair, a passing one shows as a disagreement) must agree
+    within :data:`PRICE_SPREAD`; where they do not, a third pass is run and the two that agree best decide.
+    ``step_seconds`` (the timed one-token step) sizes the calls: none are made where they would take over
+    :data:`PRICE_SECONDS`."""
+    estimate = step_seconds * max_new_tokens * prompts * PRICE_PASSES * 1.6  # plain's steps and the drafted call's
+    if estimate > PRICE_SECONDS:
+        return PriceCheck(None, why=f"its real calls would take about {estimate:.0f} s on this machine (a one-token "
+                                    f"step of {step_seconds * 1000:.0f} ms); not measured")
+    embeddings = target.get_input_embeddings().weight
+    fitting = [a for a in answers if len(a.tokens) - a.start > max_new_tokens and max(a.tokens) < len(embeddings)]
+    picks = list({id(a): a for a in (fitting[i * len(fitting) // prompts] for i in range(prompts))}.values()) \
+        if fitting else []
+    if not picks:
+        return PriceCheck(None, why=f"no recorded answer longer than {max_new_tokens} tokens in this target's "
+                                    "vocabulary; not measured")
+    device = embeddings.device
+    view, plain = drafter.with_policy(policy), plain_view(drafter, policy)
+    greedy = {"do_sample": False}
+    inputs = [torch.tensor([answer.tokens[: answer.start]], device=device) for answer in picks]
+    _decode(target, view, inputs[0], 4, greedy)  # warm-up: first calls pay one-time costs
+    _decode(target, plain, inputs[0], 4, greedy)
+    prefills = [_decode(target, None, ids, 1, greedy)[0] for ids in inputs]
+    passes: list[tuple[float, float]] = []  # per pass: predicted seconds, real seconds
+    for number in range(PRICE_PASSES + PRICE_EXTRA_PASSES):
+        if number >= PRICE_PASSES and _agreeing(passes) is not None:
+            break
+        predicted = real = 0.0
+        order = list(range(len(inputs)))[:: 1 if number % 2 == 0 else -1]
+        for turn, index in enumerate(order):
+            ids, prefill = inputs[index], prefills[index]
+            seconds = {}
+            for label, arm in (("plain", plain), ("drafted", view))[:: 1 if turn % 2 == 0 else -1]:
+                seconds[label] = _decode(target, arm, ids, max_new_tokens, greedy)
+            (plain_seconds, plain_new), (drafted_seconds, drafted_new) = seconds["plain"], seconds["drafted"]
+            stats = view.last_stats
+            if stats is None or min(plain_new, drafted_new) < 8 or min(plain_seconds, drafted_seconds) <= prefill:
+                continue  # an answer that ended at once: nothing to time
+            predicted += modelled_cost(stats, view.round_policy) * (plain_seconds - prefill) / (plain_new - 1)
+            real += drafted_seconds - prefill
+        passes.append((predicted, real))
+    if not all(real > 0 for _, real in passes):
+        return PriceCheck(None, why="the recorded prompts' answers ended too soon to time; not measured")
+    read = tuple(predicted / real for predicted, real in passes)
+    pair = _agreeing(passes)
+    if pair is None:
+        said = ", ".join(f"{figure:.2f}" for figure in read)
+        return PriceCheck(None, read, f"no two of its {len(passes)} passes agree ({said})")
+    price = sum(predicted for predicted, _ in pair) / sum(real for _, real in pair)
+    if not PRICE_PLAUSIBLE[0] <= price <= PRICE_PLAUSIBLE[1]:
+        return PriceCheck(None, read, f"an implausible price {price:.2f} (a timing fault)")
+    return PriceCheck(price, read)
+
+
+def _agreeing(passes: list[tuple[float, float]]) -> tuple[tuple[float, float], ...] | None:
+    """The two passes ``(predicted, real seconds)`` whose prices are closest, where they agree within
+    :data:`PRICE_SPREAD` of their pooled price; None where no two do."""
+    pairs = [(a, b) for i, a in enumerate(passes) for b in passes[i + 1:] if a[1] > 0 and b[1] > 0]
+    if not pairs:
+        return None
+    a, b = min(pairs, key=lambda pair: abs(pair[0][0] / pair[0][1] - pair[1][0] / pair[1][1]))
+    pooled = (a[0] + b[0]) / (a[1] + b[1])
+    return (a, b) if abs(a[0] / a[1] - b[0] / b[1]) <= PRICE_SPREAD * pooled else None
 
 
 class BatchAB(NamedTuple):
