@@ -12,7 +12,8 @@ import hf_retrace  # noqa: F401  (installs the dispatch)
 from hf_retrace.generation.policy import RoundPolicy
 from hf_retrace.machine import forward_width, onednn_from_width, onednn_matmuls
 from hf_retrace.tuning import costs as costs_module
-from hf_retrace.tuning.costs import MIN_PASSES, fit_verify_costs, measure_costs, with_onednn_off
+from hf_retrace.tuning.costs import measure_costs, with_onednn_off
+from hf_retrace.tuning.timings import MIN_PASSES, fit_verify_costs
 from hf_retrace.tuning.verify import plain_view
 
 # the EPYC's table (docs/bench/2026-12-06-epyc-onednn/): ms of a forward of k + 1 new tokens, oneDNN on / off

@@ -22,7 +22,9 @@ from hf_retrace.generation import policy as policy_module
 from hf_retrace.generation.policy import FIELD_RULES, RoundPolicy
 from hf_retrace.tuning import auto
 from hf_retrace.tuning import costs as costs_module
-from hf_retrace.tuning.costs import MachineCosts, fit_verify_costs, measure_costs, sample_verify_ratios
+from hf_retrace.tuning import timings as timings_module
+from hf_retrace.tuning.costs import MachineCosts, measure_costs
+from hf_retrace.tuning.timings import fit_verify_costs, sample_verify_ratios
 from hf_retrace.tuning.records import AnswerRecord, RoundRecords
 from hf_retrace.tuning.search import choose_policies
 from hf_retrace.tuning import verify as verify_module
@@ -91,7 +93,7 @@ def test_one_high_k_is_pooled_with_its_neighbours_not_carried_to_every_longer_k(
 
 def test_timings_whose_repeats_disagree_are_not_settled():
     spread = {k: [1 + 0.4 * k, 2 * (1 + 0.4 * k), 1 + 0.4 * k, 2 * (1 + 0.4 * k)] for k in KS}
-    assert fit_verify_costs(spread, 16).spread > costs_module.SPREAD_LIMIT
+    assert fit_verify_costs(spread, 16).spread > timings_module.SPREAD_LIMIT
     assert not fit_verify_costs(spread, 16).settled
 
 
@@ -102,12 +104,12 @@ def test_measure_costs_times_again_and_then_says_unsettled(monkeypatch):
     fake_probes = []
     monkeypatch.setattr(costs_module, "_verify_probe",
                         lambda *a: fake_probes.append(1) or _probe(lambda i, k: load.uniform(1.0, 2.5)))
-    monkeypatch.setattr(costs_module, "STEADY_TRIES", 1)
+    monkeypatch.setattr(timings_module, "STEADY_TRIES", 1)
     attempts = []
     fit = costs_module.fit_verify_costs
     monkeypatch.setattr(costs_module, "fit_verify_costs", lambda *a: attempts.append(1) or fit(*a))
     costs = measure_costs(target, drafter, max_drafts=16, context_length=8, repeats=4)
-    assert not costs.settled and costs.spread > costs_module.SPREAD_LIMIT
+    assert not costs.settled and costs.spread > timings_module.SPREAD_LIMIT
     assert len(attempts) == costs_module.ATTEMPTS and fake_probes == [1]
 
 
@@ -1068,3 +1070,10 @@ def test_a_price_is_not_measured_for_a_batch_or_without_recorded_rounds(cache_di
     measure, _ = _measured(FLAT)
     monkeypatch.setattr(auto, "measure_costs", measure)
     assert auto.tune(target, drafter)["costs"]["price"] is None
+    # a batch has recorded rounds but is decided by its real A/B (stood in for here), never by a price
+    monkeypatch.setattr(auto, "check_batch_choice", lambda *a: "")
+    measure, _ = _measured(dataclasses.replace(FLAT, rows=2))
+    monkeypatch.setattr(auto, "measure_costs", measure)
+    result = auto.tune(target, drafter, records=_records(0.8, loops=True), rows=2)
+    assert result["costs"]["price"] is None and "prices" not in result
+    assert RoundPolicy.from_dict(result["policies"]["greedy"]).speculate  # the replay decided, unpriced

@@ -1,12 +1,10 @@
 """What a round costs on this machine, in one-token target steps: the target's verify forward over ``k`` drafts and
 the drafter's round. Timed on random inputs with separate random generators, so a call's sampling is untouched.
 
-A busy moment must not set the policy for good: each verify is timed between two one-token forwards (a slowdown
-that lasts cancels in the ratio), every ``k`` at least :data:`MIN_PASSES` times in interleaved passes, the median
-ratio per ``k`` kept, the curve fitted monotone by isotonic regression (one high ``k`` is pooled with its
-neighbours, not carried to every longer ``k``) and checked against the one-token step of the same window. When the
-repeats disagree (:data:`SPREAD_LIMIT`) or a verify costs more than its tokens as separate steps, the timing is done
-again; when that stays so, the costs say ``settled=False``. A CPU busy with another process is then timed with half
+A busy moment must not set the policy for good: each verify is timed between two one-token forwards and the curve
+fitted robustly (:mod:`.timings`: the pairing, the passes, the medians, the isotonic fit), and checked against the
+one-token step of the same window. When the repeats disagree (:data:`SPREAD_LIMIT`) or a verify costs more than its
+tokens as separate steps, the timing is done again; when that stays so, the costs say ``settled=False``. A CPU busy with another process is then timed with half
 the intra-op threads (:func:`measure_costs_fewer_threads`): a one-token step with both of 2 threads, one core taken
 by a busy loop, took 116-228 ms and never settled, while one thread beside the same loop settled every time and chose
 what the idle machine chooses (``docs/round-policy.md``); the tuner uses that choice for the process, uncached.
@@ -33,7 +31,6 @@ of 8 tokens a row took about as long either way, so every verify read 1.5x too c
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -45,20 +42,16 @@ from transformers import DynamicCache
 
 from ..generation.proposal import on_accelerator, one_transfer
 from ..generation.placement import synchronize
-from ..generation.policy import LOOKUP_COST, RoundPolicy, verify_cost
+from ..generation.policy import LOOKUP_COST, RoundPolicy
 from ..generation.target_features import cache_kwargs
 from ..machine import onednn_matmuls
+from .timings import MIN_PASSES, SPREAD_LIMIT, fit_verify_costs, robust_spread, sample_verify_ratios
 
-__all__ = ["MachineCosts", "VerifyFit", "batch_probe_mask", "fit_verify_costs", "measure_costs",
-           "measure_costs_fewer_threads", "measure_draft_cost", "measure_row_share", "measure_verify_costs",
-           "onednn_switchable", "sample_onednn_off", "sample_verify_ratios", "timed", "with_onednn_off"]
+__all__ = ["MachineCosts", "batch_probe_mask", "measure_costs", "measure_costs_fewer_threads", "measure_draft_cost",
+           "measure_row_share", "measure_verify_costs", "onednn_switchable", "sample_onednn_off", "timed",
+           "timed_enough", "with_onednn_off"]
 
 PROBE_POINTS = (1, 2, 3, 4, 8, 16)  # timed against a one-token forward; the k between are interpolated
-SHORT_DRAFTS = 4  # verifies this short get the passes past MIN_PASSES (the common case, and the cheap one)
-MIN_PASSES = 3  # every timed k at least this often: a median that one blip cannot move
-SPREAD_LIMIT = 0.2  # a k's repeats disagree when their robust spread (1.4826 MAD / median) is above this
-PLAUSIBLE_SLACK = 0.25  # a verify of k + 1 tokens costs at most (k + 1) one-token steps, plus this share
-STEADY_TRIES = 3  # a sample whose two one-token steps disagree (by SPREAD_LIMIT) is timed again, this often at most
 ATTEMPTS = 2  # timings that stay unsettled after this many attempts leave the shipped policy in place, uncached
 ONEDNN_GAIN = 0.1  # narrow forwards run without torch's oneDNN only where its one-token step is this much slower
 MEASURE_SECONDS = 15.0  # a measurement still running after this is a busy machine (a core taken by another process
@@ -92,10 +85,8 @@ class MachineCosts:
     (:class:`~hf_retrace.generation.policy.RoundPolicy`): target forwards under ``onednn_from`` new tokens without
     torch's oneDNN (0: all as the process runs them; the unit is then the faster one-token step), the drafter's round
     without it where ``drafter_onednn`` is False (:func:`sample_onednn_off`, :func:`with_onednn_off`);
-    ``price``: what real rounds cost against the figures above, measured on real calls
-    (:func:`~hf_retrace.tuning.verify.measure_price`: their speed-up over plain ``generate`` / the replay's tokens per
-    step-cost for the same rounds; None where not measured or unsettled). The forwards above are timed alone; a real
-    round also pays the assisted loop's own work, and plain ``generate``'s step is not the probe's.
+    ``price``: real calls' speed-up over plain ``generate`` / the replay's figure for the same rounds (the loop's own
+    work; :func:`~hf_retrace.tuning.verify.measure_price`), None where not measured or unsettled.
     """
 
     verify_costs: tuple[float, ...]
@@ -160,19 +151,6 @@ class MachineCosts:
                    None if data.get("price") is None else float(data["price"]))
 
 
-def _interpolate(points: dict[int, float], max_k: int) -> list[float]:
-    ks = sorted(points)
-    out = []
-    for k in range(max_k + 1):
-        if k in points:
-            out.append(points[k])
-            continue
-        hi = next(p for p in ks if p > k)
-        lo = max(p for p in ks if p < k)
-        out.append(points[lo] + (points[hi] - points[lo]) * (k - lo) / (hi - lo))
-    return out
-
-
 @torch.inference_mode()
 def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256, repeats: int = 5,
                          points: Sequence[int] = PROBE_POINTS, rows: int = 1) -> list[float]:
@@ -186,86 +164,6 @@ def measure_verify_costs(target: Any, max_drafts: int, context_length: int = 256
 
 def _probe_points(max_drafts: int, points: Sequence[int] = PROBE_POINTS) -> list[int]:
     return sorted({k for k in points if 0 < k <= max_drafts} | {min(max_drafts, max(points))} - {0})
-
-
-def sample_verify_ratios(probe: Callable[[int], float], ks: Sequence[int], repeats: int = 5,
-                         budget_seconds: float = 1.5, passes: int = MIN_PASSES,
-                         deadline: float | None = None) -> tuple[dict[int, list[float]], list[float]]:
-    """Per ``k`` in ``ks``: the seconds of ``probe(k)`` (a forward over ``k + 1`` tokens) over the mean of the
-    one-token forwards timed just before and just after it, once per pass (timed again, up to :data:`STEADY_TRIES`,
-    while those two disagree: the load changed inside the sample); and every one-token forward's seconds.
-    Every ``k`` gets ``passes`` passes (odd ones in reverse order, so no ``k`` always follows the same one); the
-    verifies of up to :data:`SHORT_DRAFTS` drafts get more, up to ``repeats``, while ``budget_seconds`` last. Past
-    ``deadline`` (a ``time.perf_counter()`` value) no sample starts: some ``k`` may then have fewer passes."""
-    ratios: dict[int, list[float]] = {k: [] for k in ks}
-    phase = random.Random(0)
-    steps = [probe(0)]
-    started = time.perf_counter()
-    for index in range(max(repeats, passes)):
-        if index >= passes and time.perf_counter() - started > budget_seconds:
-            break
-        order = list(ks) if index % 2 == 0 else list(reversed(ks))
-        for k in order if index < passes else [k for k in order if k <= SHORT_DRAFTS]:
-            if deadline is not None and time.perf_counter() > deadline:
-                return ratios, steps
-            if phase.random() < 0.5:  # no k always lands on the same beat of a load that comes and goes
-                steps.append(probe(0))
-            for _ in range(STEADY_TRIES):  # a load that came or went inside the sandwich: time this k again
-                took = probe(k)
-                steps.append(probe(0))
-                if abs(steps[-1] / steps[-2] - 1) <= SPREAD_LIMIT:
-                    break
-            ratios[k].append(took / ((steps[-2] + steps[-1]) / 2))
-    return ratios, steps
-
-
-@dataclass(frozen=True)
-class VerifyFit:
-    """The verify curve fitted to paired timings: ``costs[k]`` for k = 0..max (monotone, in one-token steps);
-    ``medians`` per timed ``k``; ``spread``: the largest robust spread of a ``k``'s repeats (1.4826 MAD / median);
-    ``implausible``: the ``k`` whose median costs more than ``k + 1`` separate steps (plus :data:`PLAUSIBLE_SLACK`)."""
-
-    costs: list[float]
-    medians: dict[int, float]
-    spread: float
-    implausible: tuple[int, ...]
-
-    @property
-    def settled(self) -> bool:
-        """The timings agree with themselves and with the one-token step: a curve to decide on."""
-        return self.spread <= SPREAD_LIMIT and not self.implausible
-
-
-def _isotonic(values: Sequence[float], weights: Sequence[float]) -> list[float]:
-    """The non-decreasing sequence closest to ``values`` in weighted least squares (pool adjacent violators): a high
-    value is averaged with the ones after it until the run is monotone, never copied forward as a running max is."""
-    blocks: list[list[float]] = []  # [weighted mean, weight, count]
-    for value, weight in zip(values, weights):
-        blocks.append([value, weight, 1])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (v1, w1, n1), (v2, w2, n2) = blocks[-2], blocks.pop()
-            blocks[-1] = [(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2]
-    return [value for value, _, count in blocks for _ in range(count)]
-
-
-def _spread(values: Sequence[float]) -> float:
-    """The robust spread of repeats: 1.4826 median absolute deviation over the median."""
-    middle = statistics.median(values)
-    return 1.4826 * statistics.median(abs(v - middle) for v in values) / middle
-
-
-def fit_verify_costs(ratios: dict[int, list[float]], max_drafts: int) -> VerifyFit:
-    """:class:`VerifyFit` from :func:`sample_verify_ratios`' ratios: the median per ``k``, isotonic over ``k`` (the
-    one-token forward, ``k = 0``, pinned at 1), interpolated between timed ``k`` and extended past the longest along
-    its last step (:func:`~hf_retrace.generation.policy.verify_cost`)."""
-    timed_ks = sorted(k for k, values in ratios.items() if values)
-    medians = {k: statistics.median(ratios[k]) for k in timed_ks}
-    spread = max((_spread(ratios[k]) for k in timed_ks), default=0.0)
-    implausible = tuple(k for k in timed_ks if medians[k] > (k + 1) * (1 + PLAUSIBLE_SLACK))
-    fitted = _isotonic([1.0] + [medians[k] for k in timed_ks], [1e6] + [len(ratios[k]) for k in timed_ks])
-    points = {k: max(1.0, value) for k, value in zip(timed_ks, fitted[1:])}
-    costs = _interpolate({0: 1.0, **points}, min(max_drafts, max(timed_ks, default=0)))
-    return VerifyFit([verify_cost(costs, k) for k in range(max_drafts + 1)], medians, spread, implausible)
 
 
 def _context_cache(target: Any, ids: torch.Tensor, context_length: int) -> DynamicCache:
@@ -452,6 +350,11 @@ def sample_onednn_off(probe: Callable[[int], float], ks: Sequence[int], repeats:
     return {j - 1: values for j, values in ratios.items()}
 
 
+def timed_enough(on: dict[int, list[float]], off: dict[int, list[float]]) -> bool:
+    """Whether every ``k`` of ``on`` and the one-token step were timed :data:`MIN_PASSES` times off (not cut short)."""
+    return all(len(off.get(k, ())) >= MIN_PASSES for k in [0, *on])
+
+
 def with_onednn_off(on: dict[int, list[float]], off: dict[int, list[float]]
                     ) -> tuple[int, float, dict[int, list[float]]]:
     """``(onednn_from, unit, ratios)``: where forwards without oneDNN pay, the narrowest width that keeps it and the
@@ -461,7 +364,7 @@ def with_onednn_off(on: dict[int, list[float]], off: dict[int, list[float]]
     to the widest ``k + 1`` whose median is cheaper off run off (one rule, so a cost between two timed ``k`` is that
     of the kernels the rule runs); ``(0, 1.0, on)`` where the one-token step is not :data:`ONEDNN_GAIN` cheaper off,
     or any ``k`` was not timed :data:`MIN_PASSES` times off (a measurement cut short switches nothing)."""
-    if any(len(off.get(k, ())) < MIN_PASSES for k in [0, *on]):
+    if not timed_enough(on, off):
         return 0, 1.0, on
     unit = statistics.median(off[0])
     if unit > 1 - ONEDNN_GAIN:
@@ -503,19 +406,16 @@ def measure_costs(target: Any, drafter: Any, max_drafts: int = 16, context_lengt
     if not late and fit.settled and finished and onednn_switchable(target):
         off = sample_onednn_off(probe, _probe_points(max_drafts), repeats,
                                 deadline=time.perf_counter() + seconds / 2)
-        # kernels that could not be decided decide nothing: settled on oneDNN everywhere, a busy moment would make
-        # every later call decode on the slower kernels for good (issue 41); unsettled, it is timed again later
-        finished = all(len(off.get(k, ())) >= MIN_PASSES for k in [0, *ratios])
+        finished = timed_enough(ratios, off)  # cut short: nothing switched, nor settled (a busy moment, issue 41)
         width, unit, mixed = with_onednn_off(ratios, off)
         if width:
             mixed_fit = fit_verify_costs(mixed, max_drafts)
-            mixed_fit = replace(mixed_fit, spread=max(mixed_fit.spread, _spread(off[0])))
+            mixed_fit = replace(mixed_fit, spread=max(mixed_fit.spread, robust_spread(off[0])))
             if mixed_fit.settled:
                 fit = mixed_fit
-            else:  # timings without oneDNN too noisy to trust: nothing is switched, and nothing settled
+            else:  # too noisy to trust: nothing switched, nor settled (settled, it cached the slower kernels for good)
                 width, unit = 0, 1.0
-                fit = replace(fit, spread=max(fit.spread, mixed_fit.spread),
-                              implausible=tuple(sorted({*fit.implausible, *mixed_fit.implausible})))
+                fit = replace(fit, spread=max(fit.spread, mixed_fit.spread), implausible=mixed_fit.implausible)
     if width:
         off_chunk, off_full = measure_draft_cost(target, drafter, step, context_length, repeats,
                                                  step_probe=lambda: probe(0), rows=rows, onednn=False)

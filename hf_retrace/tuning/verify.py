@@ -170,7 +170,7 @@ def measure_price(target: Any, drafter: Any, policy: RoundPolicy, answers: list[
     (on a 2-core EPYC in bf16: 0.76-0.91, docs/round-policy.md). Two passes over the same prompts (the second in the
     reverse order: a load that lasts cancels in each call pair, a passing one shows as a disagreement) must agree
     within :data:`PRICE_SPREAD`; where they do not, a third pass is run and the two that agree best decide.
-    ``step_seconds`` (the timed one-token step) sizes the calls: none are made where they would take over
+    ``step_seconds`` (the timed one-token step) sizes the calls: none are made where two passes would take over
     :data:`PRICE_SECONDS`."""
     estimate = step_seconds * max_new_tokens * prompts * PRICE_PASSES * 1.6  # plain's steps and the drafted call's
     if estimate > PRICE_SECONDS:
