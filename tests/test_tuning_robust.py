@@ -346,13 +346,14 @@ def test_a_bad_view_is_refused_in_words_before_the_target_runs_and_before_tuning
 
 
 # --- issue 42, item 4: an explicit view means drafting -------------------------------------------------------------
-def _plain_tune(calls: list):
+def _plain_tune(calls: list, clock_price: float | None = None):
     def tune(target, drafter, records=None, rows=1):
         calls.append(1)
         plain = ROWS.arm(RoundPolicy(confidence_cut=0.65)).replace(speculate=False, source="tuned",
                                                                    reason="nothing pays")
-        return {"policies": {"greedy": plain.to_dict(), "sampled": plain.to_dict()}, "costs": ROWS.to_dict(),
-                "tables": {}, "seconds": 0.0, "measurements": [ROWS.to_dict()] * 2}
+        costs = dataclasses.replace(ROWS, clock_price=clock_price).to_dict()
+        return {"policies": {"greedy": plain.to_dict(), "sampled": plain.to_dict()}, "costs": costs,
+                "tables": {}, "seconds": 0.0, "measurements": [costs] * 2}
     return tune
 
 
@@ -920,6 +921,34 @@ def test_a_cached_plain_choice_is_checked_by_calls_that_draft_and_measured_again
     assert not any(p.speculate for p in _plain_calls(drafter, target, 3 * auto.PROBE_EVERY)) and len(calls) == 2
 
 
+@pytest.mark.parametrize("clock_price, measured_again", [(0.8, False), (0.95, True), (None, True)])
+def test_the_checks_of_a_plain_choice_are_priced_as_the_choice_was(cache_dir, monkeypatch, pair, capsys, clock_price,
+                                                                  measured_again):
+    """Plain was chosen where the replay's figure times the price of real rounds fell under 1 + PLAIN_MARGIN; a
+    checking call's clocked figure is weighed at the price measured for that unit in the same calls: 1.2 tokens per
+    step-cost as the clocks count them is 0.96x plain at 0.8 (plain stands, the checks end), 1.14x at 0.95 (measured
+    again); an entry without that price weighs the figure alone, as before."""
+    target, drafter = pair
+    calls: list = []
+    monkeypatch.setattr(auto, "tune", _plain_tune(calls, clock_price))
+    _plain_calls(drafter, target, auto.PROBE_AFTER)
+    probe = auto.auto_policy(drafter, target, target.generation_config)
+    assert probe.speculate and probe.origin.clock_price == clock_price
+    auto.note_realized(probe, [_stats(1.2)])
+    later = _plain_calls(drafter, target, auto.PROBE_EVERY)
+    assert any(p.speculate for p in later) == measured_again  # confirmed: no second check in this process
+    if measured_again:
+        auto.note_realized(next(p for p in later if p.speculate), [_stats(1.2)])
+        capsys.readouterr()
+        auto.auto_policy(drafter, target, target.generation_config)
+        err = capsys.readouterr().err
+        assert "realized 1.20, 1.20 tokens per step-cost" in err and len(calls) == 2
+        assert ("1.14, 1.14x plain at the measured price" in err) == (clock_price is not None)
+    else:
+        (path,) = cache_dir.glob("policies/*.json")
+        assert "probes" not in json.loads(path.read_text()) and len(calls) == 1
+
+
 @pytest.mark.parametrize("figure, rounds, checks_after", [(0.9, 100, []), (1.4, 5, [0, 16])])
 def test_a_check_that_confirms_plain_ends_the_checks_and_a_short_one_is_taken_again(cache_dir, monkeypatch, pair,
                                                                                    figure, rounds, checks_after):
@@ -979,7 +1008,8 @@ _REAL_DECODE = verify_module._decode
 def _priced_decode(monkeypatch, prices: tuple[float, float], per_token: float = 0.01, prefill: float = 0.05):
     """``verify._decode`` running the real calls (their tokens and rounds) but clocked: a one-token call takes
     ``prefill``, plain ``per_token`` a token more, and a drafted call of the price's pass ``i`` the replay's price of
-    its own rounds at ``per_token`` a step divided by ``prices[i]``: the price each pass must read."""
+    its own rounds at ``per_token`` a step divided by ``prices[i]``: the price each pass must read. The drafted
+    call's own clocks (its stats) are set to 1.1 of its rounds' modelled step-costs."""
     drafted = []
 
     def decode(target, assistant, ids, max_new_tokens, sampling):
@@ -989,7 +1019,10 @@ def _priced_decode(monkeypatch, prices: tuple[float, float], per_token: float = 
         if not assistant.round_policy.speculate:
             return prefill + (new - 1) * per_token, new
         drafted.append(1)
-        cost = verify_module.modelled_cost(assistant.last_stats, assistant.round_policy)
+        stats = assistant.last_stats
+        cost = verify_module.modelled_cost(stats, assistant.round_policy)
+        # the generator's clocks: the rounds at 1.1 of their modelled step-costs (one-token steps of ``per_token``)
+        stats.draft_seconds, stats.verify_seconds = 0.0, (1.1 * cost - stats.guard_plain_steps) * per_token
         return prefill + cost * per_token / prices[(len(drafted) - 1) // verify_module.PRICE_PROMPTS], new
 
     monkeypatch.setattr(verify_module, "_decode", decode)
@@ -1010,6 +1043,9 @@ def test_the_price_is_the_realized_speedup_over_the_replays_figure_for_the_same_
     _priced_decode(monkeypatch, (0.8, 0.8))
     check = verify_module.measure_price(target, drafter, policy, recorded.greedy, step_seconds=0.01)
     assert check.price == pytest.approx(0.8) and check.passes == pytest.approx((0.8, 0.8)) and not check.why
+    # the generator's clocks put these rounds at 1.1 of the replay's step-costs: per unit of the clocked figure the
+    # same calls realize 0.8 x 1.1 = 0.88
+    assert check.clocked == pytest.approx(0.88)
     _priced_decode(monkeypatch, (0.7, 1.0, 0.74))  # a busy moment in one pass: a third, and the two that agree decide
     check = verify_module.measure_price(target, drafter, policy, recorded.greedy, step_seconds=0.01)
     assert check.passes == pytest.approx((0.7, 1.0, 0.74)) and 0.7 < check.price < 0.74
@@ -1046,12 +1082,13 @@ def test_a_measured_price_decides_plain_or_draft_and_is_carried_by_the_policy(ca
     assert prices[0].speculate and result["costs"]["price"] == 0.6 and result["measurements"][1]["price"] == 0.6
     assert result["cached"] and json.loads(path.read_text())["prices"][0]["price"] == 0.6
     # a price near 1 keeps drafting and the policy carries it: the speed-up it predicts is the figure times the price
-    monkeypatch.setattr(auto, "measure_price", lambda *a: verify_module.PriceCheck(0.95, (0.94, 0.96)))
+    monkeypatch.setattr(auto, "measure_price", lambda *a: verify_module.PriceCheck(0.95, (0.94, 0.96), clocked=1.02))
     measure, calls = _measured(FLAT)
     monkeypatch.setattr(auto, "measure_costs", measure)
     result, _ = auto.tune_and_cache(target, drafter)
     greedy = RoundPolicy.from_dict(result["policies"]["greedy"])
     assert greedy.speculate and greedy.price == 0.95 and len(calls) == 1
+    assert result["costs"]["clock_price"] == 1.02  # what the checks of a plain choice are priced with
     assert greedy.predicted_speedup == pytest.approx(greedy.expected_speedup * 0.95)
     assert f"about {greedy.predicted_speedup:.2f}x plain at this machine's measured price" in greedy.describe()
     # a price that did not settle changes nothing: the replay's figure decides alone, as before

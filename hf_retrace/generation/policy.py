@@ -125,9 +125,10 @@ def check_view(policy: Any, changes: dict[str, Any], where: str = "drafter.with_
 class CacheOrigin:
     """Where a tuned policy was read from, for the checks its calls feed (``tuning.auto``): the cache entry's
     ``digest`` and ``temperature`` name ("greedy" or "sampled"), the one-token step its figures are counted in, the
-    batch size it was tuned at, how often it was measured again, and whether this call drafts to check a cached
-    choice of plain decoding (``probe``). Not part of the policy's value: equal policies compare equal whatever
-    their origin."""
+    batch size it was tuned at, how often it was measured again, whether this call drafts to check a cached
+    choice of plain decoding (``probe``), and the real speed-up per unit of that figure measured at tuning
+    (``clock_price``, :attr:`hf_retrace.tuning.costs.MachineCosts.clock_price`; None where not measured). Not part of
+    the policy's value: equal policies compare equal whatever their origin."""
 
     digest: str
     temperature: str
@@ -135,6 +136,7 @@ class CacheOrigin:
     rows: int = 1
     revisits: int = 0
     probe: bool = False
+    clock_price: float | None = None
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from ..machine import cpu_info
 from ..generation.policy import CacheOrigin, RoundPolicy, shipped_policy
 from .costs import MachineCosts, measure_costs, measure_costs_fewer_threads
 from .records import RECORDS_FILENAME, RoundRecords
-from .search import LOOKUP_BUDGETS, PLAIN_MARGIN, apply_price, choose_policies
-from .verify import check_batch_choice, measure_price
+from .search import LOOKUP_BUDGETS, apply_price, choose_policies, pays
+from .verify import check_batch_choice, clocked_cost, measure_price
 
 __all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine_key", "note_realized",
            "policy_cache_dir", "realized_figure", "records_of", "tune", "tune_and_cache", "tuned_policies"]
@@ -142,7 +142,7 @@ RETRY_SECONDS = 60.0  # an unsettled tuning is tried again by the first call thi
 RETRIES = 2  # per process
 PROBE_AFTER = 3  # plain calls (per process and temperature) before the first that drafts to check a plain choice
 PROBE_EVERY = 16  # plain calls between two such checks
-PROBES = 2  # checks per process; a plain choice is measured again where this many all realize 1 + PLAIN_MARGIN
+PROBES = 2  # checks per process; a plain choice is measured again where this many all pay (search.pays, priced)
 PROBE_TOKENS = 32  # a check counts once its drafting rounds committed this many tokens (a shorter call: the next)
 
 
@@ -181,7 +181,8 @@ def tune(target: Any, drafter: Any, records: RoundRecords | None = None, rows: i
     result["costs"] = result["measurements"][0] = costs.to_dict()
     plain = [name for name in NAMES if not choice[name].speculate]
     if plain:  # one measurement never decides plain decoding
-        second = replace(measure_costs(target, drafter, max_drafts=longest, rows=rows), price=costs.price)
+        second = replace(measure_costs(target, drafter, max_drafts=longest, rows=rows), price=costs.price,
+                         clock_price=costs.clock_price)
         result["measurements"].append(second.to_dict())
         if not second.settled:
             for name in plain:
@@ -215,7 +216,8 @@ def _priced(target: Any, drafter: Any, records: RoundRecords | None, costs: Mach
     result.setdefault("prices", []).append(check.to_dict())
     if check.price is None:
         return costs, choice
-    return replace(costs, price=round(check.price, 3)), apply_price(choice, round(check.price, 3))
+    clocked = None if check.clocked is None else round(check.clocked, 3)
+    return replace(costs, price=round(check.price, 3), clock_price=clocked), apply_price(choice, round(check.price, 3))
 
 
 def _stand_in_choice(result: dict[str, Any], records: RoundRecords | None, costs: MachineCosts,
@@ -271,11 +273,14 @@ def _read_cache(path: Path, key: dict[str, Any]) -> tuple[dict[str, RoundPolicy]
             return None, f"the cached {_LABELS[name]} choice of plain decoding rests on one measurement; measuring " \
                          "again", False
         probes = (data.get("probes") or {}).get(name)
-        if not policy.speculate and _probes_found_drafting(probes) and data.get("revisits", 0) < 1:
+        clock_price = policy.origin.clock_price if policy.origin is not None else None
+        if not policy.speculate and _probes_found_drafting(probes, clock_price) and data.get("revisits", 0) < 1:
             said = ", ".join(f"{figure:.2f}" for figure in probes)
+            priced = "" if clock_price is None else \
+                f", {', '.join(f'{figure * clock_price:.2f}' for figure in probes)}x plain at the measured price"
             return None, (f"the cached {_LABELS[name]} choice of plain decoding was checked by {len(probes)} calls "
-                          f"that drafted and realized {said} tokens per step-cost (plain decoding: 1); measuring "
-                          "again"), True
+                          f"that drafted and realized {said} tokens per step-cost (plain decoding: 1){priced}; "
+                          "measuring again"), True
         if not (isinstance(realized, dict) and policy.expected_speedup):
             continue
         figure = realized.get("tokens_per_cost")
@@ -305,10 +310,13 @@ def _policies(result: dict[str, Any], where: str = "round policy", digest: str |
     policies = {name: RoundPolicy.from_dict(found[name], where=f"{where}, policies.{name}") for name in NAMES}
     if digest is None:
         return policies
-    step = (result.get("costs") or {}).get("step_seconds")  # the unit the first calls' figure is counted in
-    rows = (result.get("costs") or {}).get("rows", 1)
+    costs = result.get("costs") or {}
+    step = costs.get("step_seconds")  # the unit the first calls' figure is counted in
+    rows = costs.get("rows", 1)
     revisits = result.get("revisits", 0)  # measured again once already: a plain choice is not checked again
-    return {name: policy.replace(origin=CacheOrigin(digest, name, step, rows, revisits))
+    clock_price = costs.get("clock_price")  # a real call's speed-up per unit of that figure, where measured
+    clock_price = clock_price if isinstance(clock_price, (int, float)) and clock_price > 0 else None
+    return {name: policy.replace(origin=CacheOrigin(digest, name, step, rows, revisits, clock_price=clock_price))
             for name, policy in policies.items()}
 
 
@@ -395,10 +403,8 @@ _REALIZED: dict[str, dict[str, list[float] | None]] = {}  # digest -> temperatur
 def realized_figure(stats: Any, step_seconds: float) -> tuple[float, float]:
     """``(tokens, step-costs)`` one call committed and paid in its drafting rounds: the tokens of every round plus
     the guard's plain positions, over the rounds' wall time (drafter and verify, as the generator clocks them) in
-    one-token steps of ``step_seconds`` plus one step per plain position."""
-    tokens = stats.round_tokens
-    cost = (stats.draft_seconds + stats.verify_seconds) / step_seconds + stats.guard_plain_steps
-    return float(tokens), float(cost)
+    one-token steps of ``step_seconds`` plus one step per plain position (:func:`.verify.clocked_cost`)."""
+    return float(stats.round_tokens), float(clocked_cost(stats, step_seconds))
 
 
 def note_realized(policy: RoundPolicy, all_stats: Any) -> None:
@@ -507,14 +513,16 @@ def _probe_or(policy: RoundPolicy) -> RoundPolicy:
                                  + policy.reason + ")")
 
 
-def _probes_found_drafting(figures: Any) -> bool:
+def _probes_found_drafting(figures: Any, clock_price: float | None) -> bool:
+    """:data:`PROBES` checking calls' clocked figures each of which pays at the measured ``clock_price``."""
     return (isinstance(figures, list) and len(figures) >= PROBES
-            and all(isinstance(f, (int, float)) and f >= 1 + PLAIN_MARGIN for f in figures))
+            and all(isinstance(f, (int, float)) and pays(f, clock_price) for f in figures))
 
 
 def _note_probe(policy: RoundPolicy, digest: str, name: str, all_stats: Any) -> None:
-    """Count a checking call's realized tokens per step-cost; a figure under 1 + PLAIN_MARGIN confirms plain for this
-    process (no more checks), :data:`PROBES` figures over it are written to the cache entry, whose next read then
+    """Count a checking call's realized tokens per step-cost; a figure that does not pay (:func:`.search.pays` at the
+    entry's measured ``clock_price``: the same line the tuner drew at the price of real rounds) confirms plain for this
+    process (no more checks), :data:`PROBES` figures that pay are written to the cache entry, whose next read then
     measures again (at once: the next call in this process tunes)."""
     step = policy.origin.step_seconds
     if not isinstance(step, (int, float)) or step <= 0:
@@ -529,9 +537,9 @@ def _note_probe(policy: RoundPolicy, digest: str, name: str, all_stats: Any) -> 
             state["next"] = state["calls"] + 1
             return
         state["figures"].append(round(tokens / cost, 3))
-        if state["figures"][-1] < 1 + PLAIN_MARGIN or len(state["figures"]) >= PROBES:
+        if not pays(state["figures"][-1], policy.origin.clock_price) or len(state["figures"]) >= PROBES:
             state["done"] = True
-        if not _probes_found_drafting(state["figures"]):
+        if not _probes_found_drafting(state["figures"], policy.origin.clock_price):
             return
         path = policy_cache_dir() / f"{digest}.json"
         try:

@@ -86,7 +86,9 @@ class MachineCosts:
     torch's oneDNN (0: all as the process runs them; the unit is then the faster one-token step), the drafter's round
     without it where ``drafter_onednn`` is False (:func:`sample_onednn_off`, :func:`with_onednn_off`);
     ``price``: real calls' speed-up over plain ``generate`` / the replay's figure for the same rounds (the loop's own
-    work; :func:`~hf_retrace.tuning.verify.measure_price`), None where not measured or unsettled.
+    work; :func:`~hf_retrace.tuning.verify.measure_price`), None where not measured or unsettled; ``clock_price``:
+    the same calls' speed-up over their figure as the generator clocks its rounds (the unit of a real call's realized
+    figure, :func:`~hf_retrace.tuning.verify.clocked_cost`), measured with it.
     """
 
     verify_costs: tuple[float, ...]
@@ -103,6 +105,7 @@ class MachineCosts:
     onednn_from: int = 0
     drafter_onednn: bool = True
     price: float | None = None
+    clock_price: float | None = None
 
     def unsettled_cause(self) -> str:
         """Why the timings decide nothing, in words ("" when settled)."""
@@ -148,7 +151,8 @@ class MachineCosts:
                    bool(data.get("timed_out", False)), float(data.get("row_share", 0.0)),
                    int(data.get("threads", 0)), int(data.get("onednn_from", 0)),
                    bool(data.get("drafter_onednn", True)),
-                   None if data.get("price") is None else float(data["price"]))
+                   None if data.get("price") is None else float(data["price"]),
+                   None if data.get("clock_price") is None else float(data["clock_price"]))
 
 
 @torch.inference_mode()

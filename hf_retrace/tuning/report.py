@@ -31,7 +31,9 @@ def print_tuning(result: dict[str, Any], show_table: bool = True) -> None:
             passes = ", ".join(f"{f:.2f}" for f in check["passes"])
             print(f"[hf-retrace] price of real rounds: {check['price']:.2f} of the replay's tokens per step-cost (real "
                   f"calls against plain generate on recorded prompts, passes: {passes}); a policy's speed-up over "
-                  "plain is its replayed figure times this")
+                  "plain is its replayed figure times this" + (
+                      f"; {check['clocked']:.2f} of the figure the generator's clocks give the same rounds (what "
+                      "prices the calls that check a plain choice)" if check.get("clocked") is not None else ""))
         else:
             print(f"[hf-retrace] price of real rounds not used: {check['why']}")
     for name, label in (("greedy", "T=0"), ("sampled", "T>0")):

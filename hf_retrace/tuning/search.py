@@ -22,7 +22,7 @@ from .records import RoundRecords
 from .replay import accepted_prefix, replay, replay_rounds
 
 __all__ = ["CUTS", "LOOKUP_BUDGETS", "PLAIN_MARGIN", "TIE", "apply_price", "best_row", "choose_policies", "decide",
-           "lookup_changes", "runner_up", "search_policy"]
+           "lookup_changes", "pays", "runner_up", "search_policy"]
 
 CUTS: tuple[float | None, ...] = (None, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.65, 0.7, 0.8, 0.9)
 LOOKUP_BUDGETS: tuple[tuple[int, int] | None, ...] = (None, (1, 2), (1, 4), (1, 8), (1, 16), (2, 4), (2, 8), (2, 16),
@@ -106,12 +106,20 @@ def choose_policies(records: RoundRecords, costs: MachineCosts, base: RoundPolic
     return result
 
 
+def pays(figure: float, price: float | None = None) -> bool:
+    """Whether drafting at ``figure`` tokens per step-cost beats plain decoding by :data:`PLAIN_MARGIN` at ``price``,
+    the real speed-up per unit of that figure measured on this machine (None: the figure alone). The one plain-or-draft
+    line: for the replay's figures at the price of real rounds (:func:`decide`), and for real calls' clocked figures at
+    theirs (the calls that check a plain choice, :func:`hf_retrace.tuning.auto.note_realized`)."""
+    return figure * (price if price is not None else 1.0) >= 1 + PLAIN_MARGIN
+
+
 def decide(policy: RoundPolicy, speedup: float, price: float | None = None) -> RoundPolicy:
     """``policy`` (the best replayed drafting policy, ``speedup`` its tokens per step-cost) where it beats plain
     decoding by :data:`PLAIN_MARGIN` at this machine's measured ``price`` of real rounds (None: not measured, the
     replay's figure alone); else plain decoding that keeps its knobs. The one plain-or-draft rule of the search."""
-    expected = speedup * (price if price is not None else 1.0)
-    if expected < 1 + PLAIN_MARGIN:
+    if not pays(speedup, price):
+        expected = speedup * (price if price is not None else 1.0)
         priced = f", {expected:.2f} at the measured price of its real rounds" if price is not None else ""
         return _plain(f"the best replayed policy commits {speedup:.2f} tokens per step-cost on this machine{priced}, "
                       f"under plain decoding's 1 + {PLAIN_MARGIN:g}", policy.replace(price=price))

@@ -29,10 +29,10 @@ from ..generation.placement import synchronize
 from ..generation.policy import RoundPolicy, shipped_policy
 from .costs import MachineCosts
 from .records import AnswerRecord, RoundRecords
-from .search import PLAIN_MARGIN, lookup_changes, runner_up
+from .search import PLAIN_MARGIN, lookup_changes, pays, runner_up
 
 __all__ = ["BATCH_CHECK_PROMPTS", "BATCH_CHECK_TOKENS", "BatchAB", "PriceCheck", "batch_check", "check_batch_choice",
-           "measure_price", "modelled_cost", "plain_view", "verify_arms", "verify_tuning"]
+           "clocked_cost", "measure_price", "modelled_cost", "plain_view", "verify_arms", "verify_tuning"]
 
 BATCH_CHECK_TOKENS = 48  # new tokens per row in each arm of a batch's A/B
 BATCH_CHECK_PROMPTS = 16  # recorded prompts per A/B, in batches of the call's rows (at least two batches)
@@ -137,15 +137,18 @@ PRICE_SECONDS = 12.0  # the price is not measured where its calls would take lon
 
 class PriceCheck(NamedTuple):
     """:func:`measure_price`'s answer: ``price`` (None where not measured or unsettled), ``passes`` (the price each
-    pass read) and ``why`` there is no price ("" where there is)."""
+    pass read), ``why`` there is no price ("" where there is), and ``clocked``: the same calls' speed-up over their
+    figure as the generator clocks their rounds (:func:`clocked_cost`; None with no price, or where implausible)."""
 
     price: float | None
     passes: tuple[float, ...] = ()
     why: str = ""
+    clocked: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"price": None if self.price is None else round(self.price, 3),
-                "passes": [round(f, 3) for f in self.passes], "why": self.why}
+                "passes": [round(f, 3) for f in self.passes], "why": self.why,
+                "clocked": None if self.clocked is None else round(self.clocked, 3)}
 
 
 def modelled_cost(stats: Any, policy: RoundPolicy) -> float:
@@ -154,6 +157,13 @@ def modelled_cost(stats: Any, policy: RoundPolicy) -> float:
     guard's plain positions at one step."""
     return sum(policy.round_cost(drafted, source == "lookup")
                for drafted, source in zip(stats.draft_lengths, stats.round_sources)) + stats.guard_plain_steps
+
+
+def clocked_cost(stats: Any, step_seconds: float) -> float:
+    """The step-costs of one call's rounds as the generator clocks them: the drafter's and the verify's wall time in
+    one-token steps of ``step_seconds``, each of the guard's plain positions at one step (the unit of the realized
+    figure a real call reports, :func:`hf_retrace.tuning.auto.realized_figure`)."""
+    return (stats.draft_seconds + stats.verify_seconds) / step_seconds + stats.guard_plain_steps
 
 
 @torch.inference_mode()
@@ -169,7 +179,10 @@ def measure_price(target: Any, drafter: Any, policy: RoundPolicy, answers: list[
     round, the assisted loop's own work and plain ``generate``'s real step against the forwards the tuner timed alone
     (on a 2-core EPYC in bf16: 0.76-0.91, docs/round-policy.md). Two passes over the same prompts (the second in the
     reverse order: a load that lasts cancels in each call pair, a passing one shows as a disagreement) must agree
-    within :data:`PRICE_SPREAD`; where they do not, a third pass is run and the two that agree best decide.
+    within :data:`PRICE_SPREAD`; where they do not, a third pass is run and the two that agree best decide. The same
+    calls give ``clocked``, their speed-up over the figure the generator's clocks give their rounds
+    (:func:`clocked_cost`): the unit a real call's realized figure is counted in, which the calls that check a plain
+    choice are priced with (:func:`hf_retrace.tuning.auto.note_realized`).
     ``step_seconds`` (the timed one-token step) sizes the calls: none are made where two passes would take over
     :data:`PRICE_SECONDS`."""
     estimate = step_seconds * max_new_tokens * prompts * PRICE_PASSES * 1.6  # plain's steps and the drafted call's
@@ -190,11 +203,11 @@ def measure_price(target: Any, drafter: Any, policy: RoundPolicy, answers: list[
     _decode(target, view, inputs[0], 4, greedy)  # warm-up: first calls pay one-time costs
     _decode(target, plain, inputs[0], 4, greedy)
     prefills = [_decode(target, None, ids, 1, greedy)[0] for ids in inputs]
-    passes: list[tuple[float, float]] = []  # per pass: predicted seconds, real seconds
+    passes: list[tuple[float, float, float]] = []  # per pass: predicted seconds, real seconds, clocked seconds
     for number in range(PRICE_PASSES + PRICE_EXTRA_PASSES):
         if number >= PRICE_PASSES and _agreeing(passes) is not None:
             break
-        predicted = real = 0.0
+        predicted = real = clocked = 0.0
         order = list(range(len(inputs)))[:: 1 if number % 2 == 0 else -1]
         for turn, index in enumerate(order):
             ids, prefill = inputs[index], prefills[index]
@@ -205,24 +218,26 @@ def measure_price(target: Any, drafter: Any, policy: RoundPolicy, answers: list[
             stats = view.last_stats
             if stats is None or min(plain_new, drafted_new) < 8 or min(plain_seconds, drafted_seconds) <= prefill:
                 continue  # an answer that ended at once: nothing to time
-            predicted += modelled_cost(stats, view.round_policy) * (plain_seconds - prefill) / (plain_new - 1)
+            plain_step = (plain_seconds - prefill) / (plain_new - 1)  # plain generate's real seconds a token
+            predicted += modelled_cost(stats, view.round_policy) * plain_step
+            clocked += clocked_cost(stats, step_seconds) * plain_step
             real += drafted_seconds - prefill
-        passes.append((predicted, real))
-    if not all(real > 0 for _, real in passes):
+        passes.append((predicted, real, clocked))
+    if not all(real > 0 for _, real, _ in passes):
         return PriceCheck(None, why="the recorded prompts' answers ended too soon to time; not measured")
-    read = tuple(predicted / real for predicted, real in passes)
+    read = tuple(predicted / real for predicted, real, _ in passes)
     pair = _agreeing(passes)
     if pair is None:
         said = ", ".join(f"{figure:.2f}" for figure in read)
         return PriceCheck(None, read, f"no two of its {len(passes)} passes agree ({said})")
-    price = sum(predicted for predicted, _ in pair) / sum(real for _, real in pair)
+    price, clocked = (sum(p[i] for p in pair) / sum(p[1] for p in pair) for i in (0, 2))
     if not PRICE_PLAUSIBLE[0] <= price <= PRICE_PLAUSIBLE[1]:
         return PriceCheck(None, read, f"an implausible price {price:.2f} (a timing fault)")
-    return PriceCheck(price, read)
+    return PriceCheck(price, read, clocked=clocked if PRICE_PLAUSIBLE[0] <= clocked <= PRICE_PLAUSIBLE[1] else None)
 
 
-def _agreeing(passes: list[tuple[float, float]]) -> tuple[tuple[float, float], ...] | None:
-    """The two passes ``(predicted, real seconds)`` whose prices are closest, where they agree within
+def _agreeing(passes: list[tuple[float, float, float]]) -> tuple[tuple[float, float, float], ...] | None:
+    """The two passes ``(predicted, real, clocked seconds)`` whose prices are closest, where they agree within
     :data:`PRICE_SPREAD` of their pooled price; None where no two do."""
     pairs = [(a, b) for i, a in enumerate(passes) for b in passes[i + 1:] if a[1] > 0 and b[1] > 0]
     if not pairs:
@@ -238,13 +253,13 @@ class BatchAB(NamedTuple):
     pooled: float
     halves: tuple[float, float]
 
-    def wins(self, margin: float) -> bool:
-        """Drafting pays on the whole mix of prompts."""
-        return self.pooled >= 1 + margin
+    def wins(self) -> bool:
+        """Drafting pays on the whole mix of prompts (:func:`~.search.pays`: a real speed-up, no price)."""
+        return pays(self.pooled)
 
-    def loses(self, margin: float) -> bool:
+    def loses(self) -> bool:
         """Both halves under: plain decoding proved by two measurements."""
-        return all(r < 1 + margin for r in self.halves)
+        return not any(pays(r) for r in self.halves)
 
     def said(self) -> str:
         return f"{self.pooled:.2f}x (halves {self.halves[0]:.2f}x, {self.halves[1]:.2f}x)"
@@ -324,14 +339,14 @@ def check_batch_choice(target: Any, drafter: Any, records: RoundRecords, choice:
         tried = [(policy, batch_check(target, drafter, policy, answers, rows, sampling))]
         checked[name] = tried[0][1].to_dict()
         shipped = policy.replace(**_shipped_knobs(drafter, policy), source="shipped", expected_speedup=None)
-        if not tried[0][1].wins(PLAIN_MARGIN) and shipped != policy:
+        if not tried[0][1].wins() and shipped != policy:
             tried.append((shipped, batch_check(target, drafter, shipped, answers, rows, sampling)))
             checked[f"{name}_shipped"] = tried[1][1].to_dict()
         said = "; the drafter's shipped constants ".join(ab.said() for _, ab in tried)
         best, ab = max(tried, key=lambda pair: pair[1].pooled)
-        if ab.wins(PLAIN_MARGIN):
+        if ab.wins():
             choice[name] = best.replace(reason=f"a real A/B at batch {rows} on the recorded prompts realized {said}")
-        elif all(ab.loses(PLAIN_MARGIN) for _, ab in tried):
+        elif all(ab.loses() for _, ab in tried):
             predicted = "plain" if replayed_plain else policy.expected_speedup
             choice[name] = policy.replace(speculate=False, expected_speedup=None, reason=(
                 f"at batch {rows} a real A/B on the recorded prompts realized {said} against plain batched decoding "
