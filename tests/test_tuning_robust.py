@@ -921,19 +921,21 @@ def test_a_cached_plain_choice_is_checked_by_calls_that_draft_and_measured_again
     assert not any(p.speculate for p in _plain_calls(drafter, target, 3 * auto.PROBE_EVERY)) and len(calls) == 2
 
 
-@pytest.mark.parametrize("clock_price, measured_again", [(0.8, False), (0.95, True), (None, True)])
+@pytest.mark.parametrize("clock_price, measured_again", [(0.8, False), (0.95, True), (None, True), ("0.8", True)])
 def test_the_checks_of_a_plain_choice_are_priced_as_the_choice_was(cache_dir, monkeypatch, pair, capsys, clock_price,
                                                                   measured_again):
     """Plain was chosen where the replay's figure times the price of real rounds fell under 1 + PLAIN_MARGIN; a
     checking call's clocked figure is weighed at the price measured for that unit in the same calls: 1.2 tokens per
     step-cost as the clocks count them is 0.96x plain at 0.8 (plain stands, the checks end), 1.14x at 0.95 (measured
-    again); an entry without that price weighs the figure alone, as before."""
+    again); an entry without that price, or with one that is not a positive number, weighs the figure alone, as
+    before."""
     target, drafter = pair
     calls: list = []
     monkeypatch.setattr(auto, "tune", _plain_tune(calls, clock_price))
     _plain_calls(drafter, target, auto.PROBE_AFTER)
     probe = auto.auto_policy(drafter, target, target.generation_config)
-    assert probe.speculate and probe.origin.clock_price == clock_price
+    usable = clock_price if isinstance(clock_price, float) else None
+    assert probe.speculate and probe.origin.clock_price == usable
     auto.note_realized(probe, [_stats(1.2)])
     later = _plain_calls(drafter, target, auto.PROBE_EVERY)
     assert any(p.speculate for p in later) == measured_again  # confirmed: no second check in this process
@@ -943,7 +945,7 @@ def test_the_checks_of_a_plain_choice_are_priced_as_the_choice_was(cache_dir, mo
         auto.auto_policy(drafter, target, target.generation_config)
         err = capsys.readouterr().err
         assert "realized 1.20, 1.20 tokens per step-cost" in err and len(calls) == 2
-        assert ("1.14, 1.14x plain at the measured price" in err) == (clock_price is not None)
+        assert ("1.14, 1.14x plain at the measured price" in err) == (usable is not None)
     else:
         (path,) = cache_dir.glob("policies/*.json")
         assert "probes" not in json.loads(path.read_text()) and len(calls) == 1

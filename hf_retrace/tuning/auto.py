@@ -315,7 +315,8 @@ def _policies(result: dict[str, Any], where: str = "round policy", digest: str |
     rows = costs.get("rows", 1)
     revisits = result.get("revisits", 0)  # measured again once already: a plain choice is not checked again
     clock_price = costs.get("clock_price")  # a real call's speed-up per unit of that figure, where measured
-    clock_price = clock_price if isinstance(clock_price, (int, float)) and clock_price > 0 else None
+    usable = isinstance(clock_price, (int, float)) and not isinstance(clock_price, bool) and clock_price > 0
+    clock_price = clock_price if usable else None  # a bad one weighs the checks' figures alone, as before
     return {name: policy.replace(origin=CacheOrigin(digest, name, step, rows, revisits, clock_price=clock_price))
             for name, policy in policies.items()}
 
