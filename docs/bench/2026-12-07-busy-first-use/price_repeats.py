@@ -1,6 +1,6 @@
 """Repeat the price's real calls with one cached entry's costs; per prompt and per pass, to see where the noise is.
 python price_repeats.py ENTRY.json REPEATS [TOKENS]   (the cache entry of a tuning: its costs and T=0 policy)"""
-import json, sys, time, statistics as st
+import json, sys
 import torch
 import hf_retrace
 from hf_retrace.tuning import verify
@@ -45,6 +45,5 @@ for r in range(repeats):
     print(f"repeat {r}: price {check.price} passes {check.passes} why {check.why!r}; prefills "
           f"{[round(v*1000) for v in prefill.values()]} ms; per-call prices {per}", flush=True)
 
-import statistics
 print("clocked/modelled per drafted call:", [round(c/m,3) for c,m,t in CL if m])
 print("pooled clocked/modelled:", round(sum(c for c,m,t in CL)/sum(m for c,m,t in CL),3))

@@ -1,46 +1,62 @@
-"""Paired A/B: the tuned T=0 policy with/without the guard, and cut 0.5 lookup 2..16 with/without; both MT-Bench turns."""
+"""Paired A/B of the round guard at T=0 on the dev sets: every turn of LIMIT prompts a set, plain (the fast kernels)
+and each arm in one process, the arms' order rotated per turn; decode speed over plain's (a 1-token call taken off).
+
+    python ab_guard.py ENTRY.json LIMIT TOKENS knobs      # A/B 1: the tuned policy and cut 0.5, lookup 2..16, each
+                                                          #   with and without the guard (ab-guard.txt)
+    python ab_guard.py ENTRY.json LIMIT TOKENS triggers   # A/B 2: the guard as shipped (window 8, back-off 4..64),
+                                                          #   window 16, back-off never above 4, none (ab-trigger.txt)
+
+ENTRY: a tuning's cache entry (its T=0 policy and costs)."""
 import json, sys, time
 import torch
-import hf_retrace  # noqa
+import hf_retrace  # noqa: F401
 from hf_retrace.loading import load_drafter, load_target
-from hf_retrace.generation.policy import RoundPolicy
+from hf_retrace.generation.policy import RoundPolicy, RoundGuard
 from hf_retrace.tuning.verify import plain_view
 from hf_retrace.bench.datasets import load_prompts
 from hf_retrace.chat import prompt_token_ids
 
-entry = json.load(open(sys.argv[1])); limit = int(sys.argv[2]); tokens = int(sys.argv[3])
+entry, limit, tokens, mode = json.load(open(sys.argv[1])), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 target, tok = load_target(None); drafter = load_drafter(None)
 tuned = RoundPolicy.from_dict(entry["policies"]["greedy"])
 static = tuned.replace(confidence_cut=0.5, lookup_start=2, lookup_cap=16)
-arms = [("plain", plain_view(drafter, tuned)),
-        ("tuned", drafter.with_policy(tuned)),
-        ("tuned-noguard", drafter.with_policy(tuned.replace(verify_costs=None, draft_cost=None))),
-        ("0.5-2..16-guard", drafter.with_policy(static)),
-        ("0.5-2..16-noguard", drafter.with_policy(static.replace(verify_costs=None, draft_cost=None)))]
-def run(view, ids, n):
-    torch.manual_seed(0)
-    t = time.perf_counter(); out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=view)
+ARMS = {  # label: (policy, the guard's settings; None: no guard)
+    "knobs": {"tuned": (tuned, {}), "tuned-noguard": (tuned, None), "0.5-2..16-guard": (static, {}),
+              "0.5-2..16-noguard": (static, None)},
+    "triggers": {"guard 8, 4..64": (tuned, {}), "window 16": (tuned, {"window": 16}),
+                 "back-off 4": (tuned, {"max_backoff": 4}), "no guard": (tuned, None)},
+}[mode]
+current = [None]  # the arm whose call runs: its guard settings apply
+shipped_guard = RoundPolicy.guard
+def guard(self, rows=1):
+    settings = ARMS.get(current[0], (None, {}))[1]
+    return None if settings is None else RoundGuard(self, **settings) if shipped_guard(self, rows) else None
+RoundPolicy.guard = guard
+plain = plain_view(drafter, tuned)
+arms = [("plain", plain)] + [(label, drafter.with_policy(policy)) for label, (policy, _) in ARMS.items()]
+def run(label, view, ids, n):
+    current[0] = label; torch.manual_seed(0); t = time.perf_counter()
+    out = target.generate(ids, max_new_tokens=n, do_sample=False, assistant_model=view)
     return time.perf_counter() - t, out
 ids0 = torch.tensor([prompt_token_ids(tok, ["Hello"])[0]])
-for _, v in arms: run(v, ids0, 8)
-tot = {}
-k = 0
+for a, v in arms: run(a, v, ids0, 8)
+tot = {}; k = 0
 for ds in ("gsm8k", "math500", "humaneval", "mtbench"):
-    sec = {a: 0.0 for a, _ in arms}; ntok = {a: 0 for a, _ in arms}; plainsteps = {a: 0 for a, _ in arms}
+    sec = {a: 0.0 for a, _ in arms}; ntok = {a: 0 for a, _ in arms}; gp = {a: 0 for a, _ in arms}
     for p in load_prompts(ds, limit=limit):
         history = []
         for turn in p.turns:
             ids = torch.tensor([prompt_token_ids(tok, [turn], [history])[0]])
-            pre = min(run(arms[0][1], ids, 1)[0] for _ in range(2))
+            pre = min(run("plain", plain, ids, 1)[0] for _ in range(2))
             order = arms[k % len(arms):] + arms[:k % len(arms)]; k += 1
-            answer = None
+            answer = ""
             for a, v in order:
-                s, out = run(v, ids, tokens)
+                s, out = run(a, v, ids, tokens)
                 sec[a] += s - pre; ntok[a] += out.shape[1] - ids.shape[1] - 1
-                if a != "plain" and v.last_stats is not None: plainsteps[a] += v.last_stats.guard_plain_steps
+                if a != "plain" and v.last_stats is not None: gp[a] += v.last_stats.guard_plain_steps
                 if a == "plain": answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             history = [*history, turn, answer]
     sp = {a: ntok[a] / sec[a] for a in sec}
-    print(ds, " ".join(f"{a}: {sp[a]/sp['plain']:.3f}x (guard plain {plainsteps[a]})" for a in sp), flush=True)
+    print(ds, "; ".join(f"{a} {sp[a]/sp['plain']:.3f}x (guard plain {gp[a]})" for a in sp), flush=True)
     for a in sp: tot.setdefault(a, []).append(sp[a] / sp["plain"])
 print("mean", {a: round(sum(v)/len(v), 3) for a, v in tot.items()}, flush=True)
