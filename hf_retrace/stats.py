@@ -37,6 +37,7 @@ class GenerationStats:
     round_sources: list[str] = field(default_factory=list)  # per round: "drafter" or "lookup" (hybrid mode)
     policy: str = ""  # the round policy this call ran (RoundPolicy.describe())
     guard_plain_steps: int = 0  # positions decoded plainly because recent rounds fell below plain (RoundGuard)
+    guard_clocked_rounds: int = 0  # rounds the guard priced by their wall time against the call's plain steps
 
     @property
     def rounds_with_fused_suffix(self) -> int:
@@ -149,6 +150,7 @@ class GenerationStats:
             "lookup_rounds": self.lookup_rounds,
             "policy": self.policy,
             "guard_plain_steps": self.guard_plain_steps,
+            "guard_clocked_rounds": self.guard_clocked_rounds,
         }
 
 

@@ -4,6 +4,7 @@ published under docs/bench, including those written before a field existed, load
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 from pathlib import Path
 
@@ -13,12 +14,12 @@ from hf_retrace.bench.records import BenchRow, RequestDivergence, report_rows
 from hf_retrace.bench.report import markdown_report
 
 DOCS_BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
-PUBLISHED = sorted(DOCS_BENCH.rglob("*.json"))
+PUBLISHED = sorted([*DOCS_BENCH.rglob("*.json"), *DOCS_BENCH.rglob("*.json.gz")])
 NEWER_FIELDS = ("mean_draft_length", "lookup_round_share", "policy", "guard_plain_steps")  # absent from reports written before they existed
 
 
 def _report(path: Path) -> dict:
-    return json.loads(path.read_text())
+    return json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
 
 
 PUBLISHED_WITH_EVERY_FIELD = [p for p in PUBLISHED if all(f in _report(p)["rows"][0] for f in NEWER_FIELDS)]

@@ -98,7 +98,9 @@ def test_the_replay_counts_rounds_and_costs_as_the_policy_prices_them():
 
 
 @pytest.mark.parametrize("cut, start, cap, guarded", [(None, 2, 10, False), (0.3, 1, 4, True), (0.6, 3, 6, True)])
-def test_replay_and_generate_agree_round_by_round(cut, start, cap, guarded):
+def test_replay_and_generate_agree_round_by_round(cut, start, cap, guarded, monkeypatch):
+    # the replay has no clock, so it prices every round by the model: here the call's guard does too
+    monkeypatch.setattr(RoundGuard, "note_plain", lambda self, seconds: None)
     target = tiny_target(dtype=torch.float32, logit_scale=4.0, seed=4)
     drafter = tiny_drafter(target, block_size=6, dtype=torch.float32, seed=5)
     costs = (1.0, 1.6, 2.2, 2.8, 3.4, 4.0) if guarded else None  # expensive verifies: the guard backs off at times
@@ -136,6 +138,57 @@ def test_the_guard_backs_off_below_plain_and_drafts_again_after_its_period():
     for p in range(20, 24):  # 2 drafts, both accepted: 3 tokens per 1.9 steps, above plain: the period resets
         guard.record(p, 2, 2, False)
     assert guard.backoff == 4 and guard.drafts_at(24)
+
+
+def test_the_guard_prices_rounds_by_the_calls_clock_once_it_has_timed_plain_steps():
+    policy = RoundPolicy(verify_costs=(1.0, 1.2, 1.4), draft_cost=0.5)  # 2 drafts: 1.9 steps by the model
+    guard = RoundGuard(policy, window=4, first_backoff=4, clock_after=3)
+    for seconds in (0.030, 0.029):
+        guard.note_plain(seconds)
+    for p in range(4):  # 1 token a round, 20 ms: two plain steps timed are not enough, the model decides: back off
+        guard.record(p, 2, 0, False, seconds=0.020)
+    assert not guard.drafts_at(4) and guard.clocked_rounds == 0
+    guard.note_plain(0.031)  # the third: the median plain step is 30 ms
+    assert guard.step_seconds == pytest.approx(0.030)
+    for p in range(8, 12):  # the same rounds, now priced by the clock: 1 token per 2/3 of a step pays
+        guard.record(p, 2, 0, False, seconds=0.020)
+    assert guard.drafts_at(12) and guard.backoff == 4 and guard.clocked_rounds == 4
+    for p in range(12, 16):  # 3 tokens a round, which the model prices at 1.9 steps, but 120 ms each: 4 steps
+        guard.record(p, 2, 2, False, seconds=0.120)
+    assert not guard.drafts_at(16)
+    for p in range(20, 24):  # a round without its time is priced by the model (3 tokens per 1.9 steps: pays)
+        guard.record(p, 2, 2, False)
+    assert guard.backoff == 4 and guard.clocked_rounds == 8
+
+
+def test_the_guard_keeps_the_calls_latest_plain_steps():
+    guard = RoundGuard(RoundPolicy(verify_costs=(1.0, 1.2)), clock_after=3, plain_kept=4)
+    for seconds in (1.0, 1.0, 1.0, 1.0, 0.02, 0.03, 0.04, 0.0):  # a slow start forgotten; a zero is no timing
+        guard.note_plain(seconds)
+    assert guard.plain_seconds == [1.0, 0.02, 0.03, 0.04] and guard.step_seconds == pytest.approx(0.035)
+
+
+def test_a_guarded_call_gives_its_guard_every_steps_wall_time(monkeypatch):
+    plain_times, round_times = [], []
+    note_plain, record = RoundGuard.note_plain, RoundGuard.record
+    monkeypatch.setattr(RoundGuard, "note_plain", lambda self, seconds: plain_times.append(seconds) or note_plain(
+        self, seconds))
+    monkeypatch.setattr(RoundGuard, "record", lambda self, *args: round_times.append(args[-1]) or record(self, *args))
+    target = tiny_target(dtype=torch.float32, logit_scale=4.0, seed=4)
+    drafter = tiny_drafter(target, block_size=6, dtype=torch.float32, seed=5)
+    # verifies the model prices far above their cost: the guard backs off at the first window, timing plain steps
+    policy = RoundPolicy(confidence_cut=None, lookup=False, verify_costs=(1.0, 40.0, 40.0, 40.0, 40.0, 40.0),
+                         draft_cost=0.3)
+    prompt = torch.tensor([[7, 8, 9, 10, 7, 8, 9, 10, 7, 8, 30, 31, 7]])
+    target.generation_config.eos_token_id = None
+    view = drafter.with_policy(policy)
+    out = target.generate(prompt, assistant_model=view, max_new_tokens=64, do_sample=False)
+    stats = view.last_stats
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=64, do_sample=False))
+    # every plain step after the prefill is timed (the guard's, and the last, with no room to draft); every round too
+    assert len(plain_times) == stats.guard_plain_steps + 1 and all(t > 0 for t in plain_times)
+    assert len(round_times) == stats.rounds and all(t is not None and t > 0 for t in round_times)
+    assert stats.guard_plain_steps >= 4 and stats.guard_clocked_rounds > 0  # priced by the clock after the back-off
 
 
 @pytest.fixture

@@ -77,6 +77,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
                            launch_first=self.drafter_source if in_one else None, rows=rows)
         self.proposal: Proposal | None = None  # the round awaiting its verdict
         self._verify_started = 0.0
+        self._step_started: float | None = None  # when the step awaiting its verdict began (a round or a plain step)
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -98,7 +99,7 @@ class ReTraceCandidateGenerator(CandidateGenerator):
     def _candidates(self, input_ids: torch.LongTensor, model_outputs: Any):
         if not self.tap.has_window(model_outputs):  # the prefill has not run yet: let it run undrafted
             return self._undrafted_prefill(input_ids), None
-        started = time.perf_counter()
+        started = self._step_started = time.perf_counter()
         anchor = input_ids.shape[1] - 1  # the newest committed token; the target has no states for it yet
         self.drafter_source.read(self.tap.window(model_outputs), anchor)
         inputs = RoundInputs(anchor, self.max_length - input_ids.shape[1] - 1, input_ids)
@@ -115,12 +116,17 @@ class ReTraceCandidateGenerator(CandidateGenerator):
         """Read the verdict and hand it to the round (stats, guard, sources)."""
         proposal, self.proposal = self.proposal, None
         self.stats.new_tokens = input_ids.shape[1] - self.prompt_length
+        # the step's wall time, the drafter's window read to the verdict (None after the prefill: not a step)
+        started, self._step_started = self._step_started, None
+        seconds = None if started is None else time.perf_counter() - started
         if proposal is None:
+            if seconds is not None:  # the target stepped alone: what a round is priced against
+                self.round.observe_plain(seconds)
             return
         # the loop commits the accepted drafts and one token of the target's: read without a transfer (== num_matches)
         accepted = input_ids.shape[1] - proposal.anchor - 2
         try:
-            self.round.observe(proposal, Verdict(accepted, input_ids, scores))
+            self.round.observe(proposal, Verdict(accepted, input_ids, scores), seconds)
         finally:  # the verify clock runs until the verdict is read, as for transformers' own generators
             self.stats.verify_seconds += time.perf_counter() - self._verify_started
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -310,28 +311,62 @@ class RoundPolicy:
 
 class RoundGuard:
     """Never slower than plain, within a call: backs off drafting while the recent rounds commit fewer tokens per
-    step-cost (the policy's measured costs) than plain decoding's 1, and drafts again after a back-off period.
+    step-cost than plain decoding's 1, and drafts again after a back-off period.
 
     Plain decoding commits one token per step. The guard keeps the last ``window`` drafting rounds; when they are
     full and their tokens per step-cost fall below ``1 - margin``, the next ``backoff`` positions decode plainly (no
     drafter forward); each back-off in a row doubles the period (up to ``max_backoff``), a good window resets it.
+
+    A round's step-cost is the policy's measured cost (:meth:`RoundPolicy.round_cost`) until the call has timed
+    ``clock_after`` of its own plain steps (:meth:`note_plain`, the first back-off's); from then on, where the caller
+    gives a round's wall time, it is that time over the median of the call's latest plain steps: a back-off is then
+    decided by what drafting and plain decoding cost in this call, at the machine's speed of the moment, never by a
+    cost model that is off on this text or this minute (the generator gives both times; the replay, which has no
+    clock, prices every round by the model).
+
+    Example::
+
+        guard = policy.guard()
+        if guard.drafts_at(position): ...; guard.record(position, drafted, accepted, from_lookup, seconds)
+        else: ...; guard.note_plain(seconds)
     """
 
     def __init__(self, policy: RoundPolicy, window: int = 8, margin: float = 0.0, first_backoff: int = 4,
-                 max_backoff: int = 64):
+                 max_backoff: int = 64, clock_after: int = 3, plain_kept: int = 16):
         self.policy, self.window, self.margin = policy, window, margin
         self.first_backoff, self.max_backoff = first_backoff, max_backoff
+        self.clock_after, self.plain_kept = clock_after, plain_kept
         self.recent: list[tuple[int, float]] = []
         self.backoff = first_backoff
         self.plain_until = -1  # positions before this one decode plainly
+        self.plain_seconds: list[float] = []  # the call's latest plain steps, timed
+        self.clocked_rounds = 0  # rounds priced by their wall time
 
     def drafts_at(self, position: int) -> bool:
         """Whether a round anchored at ``position`` may draft (False: the target steps alone)."""
         return position >= self.plain_until
 
-    def record(self, position: int, drafted: int, accepted: int, from_lookup: bool) -> None:
-        """Count a verified round anchored at ``position``; back off when the window falls below plain."""
-        self.recent.append((accepted + 1, self.policy.round_cost(drafted, from_lookup)))
+    def note_plain(self, seconds: float) -> None:
+        """Count the wall time of one plain step of this call (the guard's or one with no room to draft)."""
+        if seconds > 0:
+            self.plain_seconds = [*self.plain_seconds[-(self.plain_kept - 1):], seconds]
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The median of the call's latest plain steps, once ``clock_after`` are timed (else None)."""
+        return statistics.median(self.plain_seconds) if len(self.plain_seconds) >= self.clock_after else None
+
+    def record(self, position: int, drafted: int, accepted: int, from_lookup: bool,
+               seconds: float | None = None) -> None:
+        """Count a verified round anchored at ``position`` (its wall time ``seconds`` where timed); back off when the
+        window falls below plain."""
+        step = self.step_seconds
+        if seconds is not None and step is not None:
+            cost = seconds / step
+            self.clocked_rounds += 1
+        else:
+            cost = self.policy.round_cost(drafted, from_lookup)
+        self.recent.append((accepted + 1, cost))
         if len(self.recent) < self.window:
             return
         self.recent = self.recent[-self.window:]

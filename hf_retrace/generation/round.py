@@ -53,11 +53,18 @@ class Round:
                     return proposal.cut(eos_cut(proposal.host_tokens, self.eos_ids))
         return None
 
-    def observe(self, proposal: Proposal, verdict: Verdict) -> None:
-        """Record the verdict on a non-empty proposal: stats, guard, and what each source learns from it."""
+    def observe(self, proposal: Proposal, verdict: Verdict, seconds: float | None = None) -> None:
+        """Record the verdict on a non-empty proposal (the round's wall time ``seconds`` where the caller clocks it):
+        stats, guard, and what each source learns from it."""
         k, from_lookup = len(proposal), proposal.source == "lookup"
         self.stats.record_round(k, verdict.accepted, proposal.fused, source=proposal.source)
         if self.guard is not None:
-            self.guard.record(proposal.anchor, k, verdict.accepted, from_lookup)
+            self.guard.record(proposal.anchor, k, verdict.accepted, from_lookup, seconds)
+            self.stats.guard_clocked_rounds = self.guard.clocked_rounds
         for source in self.sources:
             source.observe(proposal, verdict)
+
+    def observe_plain(self, seconds: float) -> None:
+        """Count the wall time of one step the target took alone (the guard prices rounds against such steps)."""
+        if self.guard is not None:
+            self.guard.note_plain(seconds)

@@ -5,6 +5,11 @@ and each arm in one process, the arms' order rotated per turn; decode speed over
                                                           #   with and without the guard (ab-guard.txt)
     python ab_guard.py ENTRY.json LIMIT TOKENS triggers   # A/B 2: the guard as shipped (window 8, back-off 4..64),
                                                           #   window 16, back-off never above 4, none (ab-trigger.txt)
+    python ab_guard.py ENTRY.json LIMIT TOKENS clock      # A/B 3: the guard pricing rounds by the call's clock after
+                                                          #   its first back-off, by the model only, none
+                                                          #   (../2026-12-07-clock-guard/)
+    python ab_guard.py ENTRY.json LIMIT TOKENS fooled     # A/B 4: the same, the guard's costs with every verify
+                                                          #   1.5x dearer (a tuning a busy moment fooled)
 
 ENTRY: a tuning's cache entry (its T=0 policy and costs)."""
 import json, sys, time
@@ -20,11 +25,15 @@ entry, limit, tokens, mode = json.load(open(sys.argv[1])), int(sys.argv[2]), int
 target, tok = load_target(None); drafter = load_drafter(None)
 tuned = RoundPolicy.from_dict(entry["policies"]["greedy"])
 static = tuned.replace(confidence_cut=0.5, lookup_start=2, lookup_cap=16)
+dear = tuned.replace(verify_costs=[1.0] + [1.5 * c for c in tuned.verify_costs[1:]])  # verifies timed 1.5x dearer
 ARMS = {  # label: (policy, the guard's settings; None: no guard)
     "knobs": {"tuned": (tuned, {}), "tuned-noguard": (tuned, None), "0.5-2..16-guard": (static, {}),
               "0.5-2..16-noguard": (static, None)},
     "triggers": {"guard 8, 4..64": (tuned, {}), "window 16": (tuned, {"window": 16}),
                  "back-off 4": (tuned, {"max_backoff": 4}), "no guard": (tuned, None)},
+    "clock": {"guard, clock": (tuned, {}), "guard, model": (tuned, {"clock_after": 10**9}), "no guard": (tuned, None)},
+    "fooled": {"guard, clock, verifies 1.5x": (dear, {}), "guard, model, verifies 1.5x": (dear, {"clock_after": 10**9}),
+               "guard, clock": (tuned, {}), "no guard": (tuned, None)},
 }[mode]
 current = [None]  # the arm whose call runs: its guard settings apply
 shipped_guard = RoundPolicy.guard
@@ -42,7 +51,7 @@ ids0 = torch.tensor([prompt_token_ids(tok, ["Hello"])[0]])
 for a, v in arms: run(a, v, ids0, 8)
 tot = {}; k = 0
 for ds in ("gsm8k", "math500", "humaneval", "mtbench"):
-    sec = {a: 0.0 for a, _ in arms}; ntok = {a: 0 for a, _ in arms}; gp = {a: 0 for a, _ in arms}
+    sec = {a: 0.0 for a, _ in arms}; ntok = {a: 0 for a, _ in arms}; gp = {a: 0 for a, _ in arms}; gc = {a: 0 for a, _ in arms}
     for p in load_prompts(ds, limit=limit):
         history = []
         for turn in p.turns:
@@ -53,10 +62,12 @@ for ds in ("gsm8k", "math500", "humaneval", "mtbench"):
             for a, v in order:
                 s, out = run(a, v, ids, tokens)
                 sec[a] += s - pre; ntok[a] += out.shape[1] - ids.shape[1] - 1
-                if a != "plain" and v.last_stats is not None: gp[a] += v.last_stats.guard_plain_steps
+                if a != "plain" and v.last_stats is not None:
+                    gp[a] += v.last_stats.guard_plain_steps
+                    gc[a] += getattr(v.last_stats, "guard_clocked_rounds", 0)
                 if a == "plain": answer = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
             history = [*history, turn, answer]
     sp = {a: ntok[a] / sec[a] for a in sec}
-    print(ds, "; ".join(f"{a} {sp[a]/sp['plain']:.3f}x (guard plain {gp[a]})" for a in sp), flush=True)
+    print(ds, "; ".join(f"{a} {sp[a]/sp['plain']:.3f}x (guard plain {gp[a]}" + (f", clocked rounds {gc[a]})" if mode in ("clock", "fooled") else ")") for a in sp), flush=True)
     for a in sp: tot.setdefault(a, []).append(sp[a] / sp["plain"])
 print("mean", {a: round(sum(v)/len(v), 3) for a, v in tot.items()}, flush=True)
