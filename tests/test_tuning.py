@@ -166,6 +166,10 @@ def test_the_guard_keeps_the_calls_latest_plain_steps():
     for seconds in (1.0, 1.0, 1.0, 1.0, 0.02, 0.03, 0.04, 0.0):  # a slow start forgotten; a zero is no timing
         guard.note_plain(seconds)
     assert guard.plain_seconds == [1.0, 0.02, 0.03, 0.04] and guard.step_seconds == pytest.approx(0.035)
+    one = RoundGuard(RoundPolicy(verify_costs=(1.0, 1.2)), clock_after=1, plain_kept=1)
+    for seconds in (0.5, 0.03):
+        one.note_plain(seconds)
+    assert one.plain_seconds == [0.03] and one.step_seconds == pytest.approx(0.03)
 
 
 def test_a_guarded_call_gives_its_guard_every_steps_wall_time(monkeypatch):

@@ -349,7 +349,7 @@ class RoundGuard:
     def note_plain(self, seconds: float) -> None:
         """Count the wall time of one plain step of this call (the guard's or one with no room to draft)."""
         if seconds > 0:
-            self.plain_seconds = [*self.plain_seconds[-(self.plain_kept - 1):], seconds]
+            self.plain_seconds = [*self.plain_seconds, seconds][-self.plain_kept:]
 
     @property
     def step_seconds(self) -> float | None:
