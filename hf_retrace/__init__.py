@@ -17,7 +17,8 @@ from .generation.policy import RoundPolicy
 from .modeling import ReTraceDrafter
 from .retrace import RejectedSuffix
 from .stats import GenerationStats
-from .tuning.auto import auto_policy, note_realized
+from .tuning.auto import auto_policy
+from .tuning.realized import note_realized
 
 __version__ = "0.1.0"
 

@@ -21,6 +21,7 @@ from hf_retrace import GenerationStats
 from hf_retrace.generation import policy as policy_module
 from hf_retrace.generation.policy import FIELD_RULES, RoundPolicy
 from hf_retrace.tuning import auto
+from hf_retrace.tuning import realized as realized_module
 from hf_retrace.tuning import costs as costs_module
 from hf_retrace.tuning import timings as timings_module
 from hf_retrace.tuning.costs import MachineCosts, measure_costs
@@ -142,10 +143,10 @@ def test_sampling_past_its_deadline_starts_no_sample():
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_RETRACE_CACHE", str(tmp_path))
     monkeypatch.setenv("HF_RETRACE_POLICY", "auto")
-    for state in (auto._MEMO, auto._REALIZED, auto._RETRY, auto._PROBES):
+    for state in (auto._MEMO, realized_module._REALIZED, auto._RETRY, realized_module._PROBES):
         state.clear()
     yield tmp_path
-    for state in (auto._MEMO, auto._REALIZED, auto._RETRY, auto._PROBES):
+    for state in (auto._MEMO, realized_module._REALIZED, auto._RETRY, realized_module._PROBES):
         state.clear()
 
 
@@ -242,8 +243,8 @@ def test_a_cache_entry_whose_realized_figure_disagrees_is_measured_again(cache_d
     calls: list = []
     monkeypatch.setattr(auto, "tune", _fake_tune(calls))
     policy = auto.auto_policy(drafter, target, target.generation_config)
-    auto.note_realized(policy.replace(confidence_cut=0.5), [_stats(1.0)])  # a view's call: not the cached choice
-    auto.note_realized(policy, [_stats(realized)])  # the first real calls
+    realized_module.note_realized(policy.replace(confidence_cut=0.5), [_stats(1.0)])  # a view's call: not the cached choice
+    realized_module.note_realized(policy, [_stats(realized)])  # the first real calls
     (path,) = cache_dir.glob("policies/*.json")
     entry = json.loads(path.read_text())
     assert entry["realized"]["greedy"]["tokens_per_cost"] == pytest.approx(realized, rel=1e-3)
@@ -256,16 +257,16 @@ def test_a_cache_entry_whose_realized_figure_disagrees_is_measured_again(cache_d
     assert ("realized" in err and "measuring again" in err) == measured_again
     if measured_again:  # measured again once; a second disagreement is kept (no re-tuning at every start)
         assert json.loads(path.read_text())["revisits"] == 1
-        auto.note_realized(auto.auto_policy(drafter, target, target.generation_config), [_stats(realized)])
+        realized_module.note_realized(auto.auto_policy(drafter, target, target.generation_config), [_stats(realized)])
         auto._MEMO.clear()
-        auto._REALIZED.clear()
+        realized_module._REALIZED.clear()
         auto.auto_policy(drafter, target, target.generation_config)
         assert len(calls) == 2
 
 
 def test_the_realized_figure_is_tokens_over_the_rounds_wall_time_in_one_token_steps():
     stats = GenerationStats(acceptance_lengths=[3, 1, 2], guard_plain_steps=4, draft_seconds=0.02, verify_seconds=0.1)
-    tokens, cost = auto.realized_figure(stats, step_seconds=0.04)
+    tokens, cost = realized_module.realized_figure(stats, step_seconds=0.04)
     assert tokens == 3 + 1 + 2 + 4 and cost == pytest.approx(0.12 / 0.04 + 4)
 
 
@@ -441,7 +442,7 @@ def test_every_drafted_call_reports_its_stats_to_the_observer_and_a_plain_call_d
     from hf_retrace.generation import dispatch
 
     installed = dispatch.installed()  # by import
-    assert installed.observer is auto.note_realized and installed.resolver is auto.auto_policy
+    assert installed.observer is realized_module.note_realized and installed.resolver is auto.auto_policy
     assert hf_retrace.RoundPolicy is RoundPolicy
     target, drafter = pair
     seen: list = []
@@ -898,16 +899,16 @@ def test_a_cached_plain_choice_is_checked_by_calls_that_draft_and_measured_again
     target, drafter = pair
     calls: list = []
     monkeypatch.setattr(auto, "tune", _plain_tune(calls))
-    assert not any(p.speculate for p in _plain_calls(drafter, target, auto.PROBE_AFTER))
+    assert not any(p.speculate for p in _plain_calls(drafter, target, realized_module.PROBE_AFTER))
     probe = auto.auto_policy(drafter, target, target.generation_config)
     # the drafting policy plain turned down, armed with the machine's costs (the guard backs off where it loses)
     assert probe.speculate and probe.origin.probe and probe.confidence_cut == 0.65
     assert probe.verify_costs == pytest.approx(ROWS.verify_costs) and "checking plain" in probe.source
-    auto.note_realized(probe, [_stats(1.4)])
-    assert not any(p.speculate for p in _plain_calls(drafter, target, auto.PROBE_EVERY - 1))
+    realized_module.note_realized(probe, [_stats(1.4)])
+    assert not any(p.speculate for p in _plain_calls(drafter, target, realized_module.PROBE_EVERY - 1))
     probe = auto.auto_policy(drafter, target, target.generation_config)
     assert probe.speculate
-    auto.note_realized(probe, [_stats(1.3)])
+    realized_module.note_realized(probe, [_stats(1.3)])
     (path,) = cache_dir.glob("policies/*.json")
     assert json.loads(path.read_text())["probes"]["greedy"] == [1.4, 1.3]
     capsys.readouterr()
@@ -915,10 +916,10 @@ def test_a_cached_plain_choice_is_checked_by_calls_that_draft_and_measured_again
     assert len(calls) == 2
     assert "checked by 2 calls that drafted and realized 1.40, 1.30" in capsys.readouterr().err
     # measured again once: its plain choice stands, unchecked, in this process and the next (no loop of re-tunings)
-    assert not any(p.speculate for p in _plain_calls(drafter, target, 3 * auto.PROBE_EVERY))
+    assert not any(p.speculate for p in _plain_calls(drafter, target, 3 * realized_module.PROBE_EVERY))
     auto._MEMO.clear()
-    auto._PROBES.clear()
-    assert not any(p.speculate for p in _plain_calls(drafter, target, 3 * auto.PROBE_EVERY)) and len(calls) == 2
+    realized_module._PROBES.clear()
+    assert not any(p.speculate for p in _plain_calls(drafter, target, 3 * realized_module.PROBE_EVERY)) and len(calls) == 2
 
 
 @pytest.mark.parametrize("clock_price, measured_again", [(0.8, False), (0.95, True), (None, True), ("0.8", True)])
@@ -932,15 +933,15 @@ def test_the_checks_of_a_plain_choice_are_priced_as_the_choice_was(cache_dir, mo
     target, drafter = pair
     calls: list = []
     monkeypatch.setattr(auto, "tune", _plain_tune(calls, clock_price))
-    _plain_calls(drafter, target, auto.PROBE_AFTER)
+    _plain_calls(drafter, target, realized_module.PROBE_AFTER)
     probe = auto.auto_policy(drafter, target, target.generation_config)
     usable = clock_price if isinstance(clock_price, float) else None
     assert probe.speculate and probe.origin.clock_price == usable
-    auto.note_realized(probe, [_stats(1.2)])
-    later = _plain_calls(drafter, target, auto.PROBE_EVERY)
+    realized_module.note_realized(probe, [_stats(1.2)])
+    later = _plain_calls(drafter, target, realized_module.PROBE_EVERY)
     assert any(p.speculate for p in later) == measured_again  # confirmed: no second check in this process
     if measured_again:
-        auto.note_realized(next(p for p in later if p.speculate), [_stats(1.2)])
+        realized_module.note_realized(next(p for p in later if p.speculate), [_stats(1.2)])
         capsys.readouterr()
         auto.auto_policy(drafter, target, target.generation_config)
         err = capsys.readouterr().err
@@ -956,10 +957,10 @@ def test_a_check_that_confirms_plain_ends_the_checks_and_a_short_one_is_taken_ag
                                                                                    figure, rounds, checks_after):
     target, drafter = pair
     monkeypatch.setattr(auto, "tune", _plain_tune([]))
-    _plain_calls(drafter, target, auto.PROBE_AFTER)
+    _plain_calls(drafter, target, realized_module.PROBE_AFTER)
     probe = auto.auto_policy(drafter, target, target.generation_config)
-    auto.note_realized(probe, [_stats(figure, rounds=rounds)])  # under 1 + PLAIN_MARGIN, or 15 tokens: too short
-    later = _plain_calls(drafter, target, 2 * auto.PROBE_EVERY)
+    realized_module.note_realized(probe, [_stats(figure, rounds=rounds)])  # under 1 + PLAIN_MARGIN, or 15 tokens: too short
+    later = _plain_calls(drafter, target, 2 * realized_module.PROBE_EVERY)
     # confirmed: no more checks in this process; too short: the very next call checks instead (and, never reported
     # back, the one PROBE_EVERY after it)
     assert [i for i, p in enumerate(later) if p.speculate] == checks_after
@@ -972,10 +973,10 @@ def test_a_checking_call_is_a_real_drafted_call_with_the_targets_own_output(cach
     monkeypatch.setattr(auto, "tune", _plain_tune([]))
     prompt = torch.tensor([[7, 8, 9, 10, 7, 8, 9, 10]])
     plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
-    for call in range(auto.PROBE_AFTER + 1):
+    for call in range(realized_module.PROBE_AFTER + 1):
         out = target.generate(prompt, assistant_model=drafter, max_new_tokens=12, do_sample=False)
         assert torch.equal(out, plain)
-        assert (drafter.last_stats.rounds > 0) == (call == auto.PROBE_AFTER)
+        assert (drafter.last_stats.rounds > 0) == (call == realized_module.PROBE_AFTER)
     assert "checking plain" in drafter.last_stats.policy
 
 

@@ -402,7 +402,7 @@ def shipped_policy(config: Any) -> RoundPolicy:
 # rows=B for a batch]); ``import hf_retrace`` hands :func:`hf_retrace.tuning.auto.auto_policy` to the dispatch
 PolicyResolver = Callable[..., RoundPolicy]
 # the function told, after each drafted call, its policy and its generators' stats (``import hf_retrace`` hands the
-# dispatch :func:`hf_retrace.tuning.auto.note_realized`: a tuned prediction checked against real calls)
+# dispatch :func:`hf_retrace.tuning.realized.note_realized`: a tuned prediction checked against real calls)
 CallObserver = Callable[[RoundPolicy, Sequence[Any]], None]
 
 

@@ -9,9 +9,10 @@ or else the shipped policy, is used uncached, and are measured again by the firs
 recorded rounds replayed (:mod:`.search`; plain decoding only where two measurements agree), and the choice cached as
 JSON in ``$HF_RETRACE_CACHE/policies`` (default ``~/.cache/hf_retrace/policies``). Later processes read it in
 milliseconds. An entry is checked field by field on read; an unreadable, stale or invalid one is measured again, never
-fatal, and so is one whose first real calls realized a figure more than 15 % from the prediction (once). The file is
-written atomically, so two processes at once leave one valid file. A drafter without recorded rounds keeps its
-shipped policy, with the guard armed by the measured costs.
+fatal, and so is one whose first real calls realized a figure more than 15 % from the prediction (once; those
+figures and the checks of a plain choice: :mod:`.realized`; the cache's folder, writes, memo: :mod:`.entries`).
+The file is written atomically, so two processes at once leave one valid file. A drafter without recorded rounds
+keeps its shipped policy, with the guard armed by the measured costs.
 
 A batch of ``B`` rows is priced apart, at its first call (``rows=B``; one entry per batch size): the costs are
 timed at ``B`` rows (:func:`.costs.measure_costs`), so a verify of ``B`` rows of ``k + 1`` tokens is weighed
@@ -28,7 +29,6 @@ import hashlib
 import json
 import os
 import sys
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -36,17 +36,17 @@ from typing import Any
 
 import torch
 
-from ..atomic import write_text_atomically
-from ..defaults import cache_root
 from ..machine import cpu_info
 from ..generation.policy import CacheOrigin, RoundPolicy, shipped_policy
 from .costs import MachineCosts, measure_costs, measure_costs_fewer_threads
 from .records import RECORDS_FILENAME, RoundRecords
-from .search import LOOKUP_BUDGETS, apply_price, choose_policies, pays
-from .verify import check_batch_choice, clocked_cost, measure_price
+from .search import LOOKUP_BUDGETS, apply_price, choose_policies
+from .entries import _LOCK, _MEMO, policy_cache_dir, write_atomically
+from .realized import REALIZED_TOLERANCE, _REALIZED, probe_or, probes_found_drafting
+from .verify import check_batch_choice, measure_price
 
-__all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine_key", "note_realized",
-           "policy_cache_dir", "realized_figure", "records_of", "tune", "tune_and_cache", "tuned_policies"]
+__all__ = ["POLICY_ENV_VAR", "auto_policy", "cache_line", "env_policy", "machine_key", "records_of", "tune",
+           "tune_and_cache", "tuned_policies"]
 
 POLICY_ENV_VAR = "HF_RETRACE_POLICY"
 CACHE_FORMAT = 4  # 2: robust costs, plain proved by two measurements, realized figures; 3: oneDNN per forward width;
@@ -54,13 +54,7 @@ CACHE_FORMAT = 4  # 2: robust costs, plain proved by two measurements, realized 
 # how a batch is priced (issue 39): 2 = forwards timed as the batch loop runs them (padding, masked slots, a mask)
 # and the rows replayed in lockstep; an entry priced otherwise is tuned again
 BATCH_PRICING = 2
-_MEMO: dict[str, dict[str, RoundPolicy]] = {}
 _RETRY: dict[str, tuple[float, int]] = {}  # digest -> (when an unsettled tuning may be tried again, tries left)
-_LOCK = threading.Lock()
-
-
-def policy_cache_dir() -> Path:
-    return cache_root() / "policies"
 
 
 def _fingerprint(model: Any) -> str:
@@ -131,8 +125,6 @@ def records_of(drafter: Any) -> RoundRecords | None:
 
 NAMES = ("greedy", "sampled")  # T=0, T>0
 _LABELS = {"greedy": "T=0", "sampled": "T>0"}
-REALIZED_TOKENS = 256  # committed in drafting rounds before the first calls' realized figure is recorded
-REALIZED_TOLERANCE = 0.15  # realized vs predicted tokens per step-cost: a wider gap is measured again
 UNSETTLED = ("this machine's timings stayed too noisy to decide on ({why}); the shipped policy is used for now, "
              "measured again in this process after {retry:.0f} s (at most {retries} times), and by the next process")
 STAND_IN = ("this machine's timings with its {threads} threads stayed too noisy to decide on ({why}); timed with "
@@ -140,10 +132,6 @@ STAND_IN = ("this machine's timings with its {threads} threads stayed too noisy 
             "this process after {retry:.0f} s (at most {retries} times), and by the next process")
 RETRY_SECONDS = 60.0  # an unsettled tuning is tried again by the first call this long after it (a busy moment passes)
 RETRIES = 2  # per process
-PROBE_AFTER = 3  # plain calls (per process and temperature) before the first that drafts to check a plain choice
-PROBE_EVERY = 16  # plain calls between two such checks
-PROBES = 2  # checks per process; a plain choice is measured again where this many all pay (search.pays, priced)
-PROBE_TOKENS = 32  # a check counts once its drafting rounds committed this many tokens (a shorter call: the next)
 
 
 def _unsettled_note(costs: MachineCosts) -> str:
@@ -274,7 +262,7 @@ def _read_cache(path: Path, key: dict[str, Any]) -> tuple[dict[str, RoundPolicy]
                          "again", False
         probes = (data.get("probes") or {}).get(name)
         clock_price = policy.origin.clock_price if policy.origin is not None else None
-        if not policy.speculate and _probes_found_drafting(probes, clock_price) and data.get("revisits", 0) < 1:
+        if not policy.speculate and probes_found_drafting(probes, clock_price) and data.get("revisits", 0) < 1:
             said = ", ".join(f"{figure:.2f}" for figure in probes)
             priced = "" if clock_price is None else \
                 f", {', '.join(f'{figure * clock_price:.2f}' for figure in probes)}x plain at the measured price"
@@ -290,13 +278,6 @@ def _read_cache(path: Path, key: dict[str, Any]) -> tuple[dict[str, RoundPolicy]
                           f"step-cost and its first calls realized {figure:.2f} (more than {REALIZED_TOLERANCE:.0%} "
                           "apart); measuring again"), True
     return policies, "", False
-
-
-def write_atomically(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON to ``path`` through a temporary file in the same folder and one rename: a reader sees the old file or
-    the new one, never a part; two writers at once leave one of their files whole."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomically(path, json.dumps(data, indent=1))
 
 
 def _policies(result: dict[str, Any], where: str = "round policy", digest: str | None = None
@@ -397,57 +378,6 @@ def _entry_field(path: Path, name: str, default: Any) -> Any:
     return value if isinstance(value, type(default)) else default
 
 
-# --- the first real calls against the prediction --------------------------------------------------------------------
-_REALIZED: dict[str, dict[str, list[float] | None]] = {}  # digest -> temperature -> [tokens, step-costs]; None: written
-
-
-def realized_figure(stats: Any, step_seconds: float) -> tuple[float, float]:
-    """``(tokens, step-costs)`` one call committed and paid in its drafting rounds: the tokens of every round plus
-    the guard's plain positions, over the rounds' wall time (drafter and verify, as the generator clocks them) in
-    one-token steps of ``step_seconds`` plus one step per plain position (:func:`.verify.clocked_cost`)."""
-    return float(stats.round_tokens), float(clocked_cost(stats, step_seconds))
-
-
-def note_realized(policy: RoundPolicy, all_stats: Any) -> None:
-    """The call observer ``import hf_retrace`` installs: while this process's first calls with the machine's cached
-    choice (unchanged by a view) commit :data:`REALIZED_TOKENS`, add up their realized tokens per step-cost; then
-    record it once in the cache entry beside the prediction (the next process start measures again when they are
-    more than :data:`REALIZED_TOLERANCE` apart)."""
-    origin = policy.origin
-    if origin is None or not policy.speculate or origin.rows != 1:
-        return  # (a batch's figure is counted per batch step: batch-1 calls check the prediction)
-    digest, name = origin.digest, origin.temperature
-    if origin.probe:
-        _note_probe(policy, digest, name, all_stats)
-        return
-    with _LOCK:
-        memo = _MEMO.get(digest)
-        if memo is None or memo[name] != policy:  # a view changed it: not the cached choice's figure
-            return
-        totals = _REALIZED.setdefault(digest, {}).setdefault(name, [0.0, 0.0])
-        if totals is None:  # already recorded in this process
-            return
-        step = origin.step_seconds
-        if not isinstance(step, (int, float)) or step <= 0:
-            return
-        for stats in all_stats:
-            tokens, cost = realized_figure(stats, step)
-            totals[0] += tokens
-            totals[1] += cost
-        if totals[0] < REALIZED_TOKENS or totals[1] <= 0:
-            return
-        _REALIZED[digest][name] = None  # recorded once per process
-        path = policy_cache_dir() / f"{digest}.json"
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            data.setdefault("realized", {})[name] = {"tokens_per_cost": round(totals[0] / totals[1], 3),
-                                                     "tokens": int(totals[0]),
-                                                     "predicted": policy.expected_speedup}
-            write_atomically(path, data)
-        except (OSError, ValueError, AttributeError):
-            return  # the entry went away or cannot be written: nothing to compare next time
-
-
 def _env_policy(value: str, drafter: Any, do_sample: bool) -> RoundPolicy:
     if value == "shipped":
         return shipped_policy(drafter.config)
@@ -485,68 +415,4 @@ def auto_policy(drafter: Any, target: Any, generation_config: Any, rows: int = 1
     policy = env_policy(drafter, do_sample)
     if policy is not None:
         return policy
-    return _probe_or(tuned_policies(target, drafter, rows)["sampled" if do_sample else "greedy"])
-
-
-# --- a plain choice checked by real calls that draft (issue 41, item 3) -----------------------------------------------
-_PROBES: dict[tuple[str, str], dict[str, Any]] = {}  # (digest, temperature) -> plain calls seen, next check, figures
-
-
-def _probe_or(policy: RoundPolicy) -> RoundPolicy:
-    """``policy``, or, where it is this machine's cached choice of plain decoding at batch size 1 and a check is due
-    (the call after :data:`PROBE_AFTER` plain ones, then every :data:`PROBE_EVERY`, :data:`PROBES` per process), the
-    drafting policy it turned down (its knobs, armed: the guard backs off where drafting loses): the call drafts,
-    losslessly, and its realized tokens per step-cost say whether plain was right (:func:`note_realized`). A plain
-    choice made in a busy moment, or on a tuner's wrong prediction, so corrects itself; a right one costs one call in
-    :data:`PROBE_EVERY` drafting at a small loss, twice per process at most."""
-    origin = policy.origin
-    if policy.speculate or origin is None or origin.rows != 1 or origin.revisits:
-        return policy
-    digest, name = origin.digest, origin.temperature
-    with _LOCK:
-        state = _PROBES.setdefault((digest, name), {"calls": 0, "next": PROBE_AFTER + 1, "figures": []})
-        state["calls"] += 1
-        if state.get("done") or state["calls"] < state["next"]:
-            return policy
-        state["next"] = state["calls"] + PROBE_EVERY
-    return policy.replace(speculate=True, source="tuned, checking plain", origin=replace(origin, probe=True),
-                          reason="a call that drafts to check this machine's cached choice of plain decoding ("
-                                 + policy.reason + ")")
-
-
-def _probes_found_drafting(figures: Any, clock_price: float | None) -> bool:
-    """:data:`PROBES` checking calls' clocked figures each of which pays at the measured ``clock_price``."""
-    return (isinstance(figures, list) and len(figures) >= PROBES
-            and all(isinstance(f, (int, float)) and pays(f, clock_price) for f in figures))
-
-
-def _note_probe(policy: RoundPolicy, digest: str, name: str, all_stats: Any) -> None:
-    """Count a checking call's realized tokens per step-cost; a figure that does not pay (:func:`.search.pays` at the
-    entry's measured ``clock_price``: the same line the tuner drew at the price of real rounds) confirms plain for this
-    process (no more checks), :data:`PROBES` figures that pay are written to the cache entry, whose next read then
-    measures again (at once: the next call in this process tunes)."""
-    step = policy.origin.step_seconds
-    if not isinstance(step, (int, float)) or step <= 0:
-        return
-    figures = [realized_figure(stats, step) for stats in all_stats]
-    tokens, cost = sum(f[0] for f in figures), sum(f[1] for f in figures)
-    with _LOCK:
-        state = _PROBES.get((digest, name))
-        if state is None or state.get("done"):
-            return
-        if tokens < PROBE_TOKENS or cost <= 0:  # too short to tell: the next plain call checks instead
-            state["next"] = state["calls"] + 1
-            return
-        state["figures"].append(round(tokens / cost, 3))
-        if not pays(state["figures"][-1], policy.origin.clock_price) or len(state["figures"]) >= PROBES:
-            state["done"] = True
-        if not _probes_found_drafting(state["figures"], policy.origin.clock_price):
-            return
-        path = policy_cache_dir() / f"{digest}.json"
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-            data.setdefault("probes", {})[name] = state["figures"]
-            write_atomically(path, data)
-        except (OSError, ValueError, AttributeError):
-            return  # the entry went away or cannot be written: the next process tunes or checks again
-        _MEMO.pop(digest, None)  # the next call reads the entry, which now says: measure again
+    return probe_or(tuned_policies(target, drafter, rows)["sampled" if do_sample else "greedy"])

@@ -110,7 +110,7 @@ def pays(figure: float, price: float | None = None) -> bool:
     """Whether drafting at ``figure`` tokens per step-cost beats plain decoding by :data:`PLAIN_MARGIN` at ``price``,
     the real speed-up per unit of that figure measured on this machine (None: the figure alone). The one plain-or-draft
     line: for the replay's figures at the price of real rounds (:func:`decide`), and for real calls' clocked figures at
-    theirs (the calls that check a plain choice, :func:`hf_retrace.tuning.auto.note_realized`)."""
+    theirs (the calls that check a plain choice, :func:`hf_retrace.tuning.realized.note_realized`)."""
     return figure * (price if price is not None else 1.0) >= 1 + PLAIN_MARGIN
 
 

@@ -162,7 +162,7 @@ def modelled_cost(stats: Any, policy: RoundPolicy) -> float:
 def clocked_cost(stats: Any, step_seconds: float) -> float:
     """The step-costs of one call's rounds as the generator clocks them: the drafter's and the verify's wall time in
     one-token steps of ``step_seconds``, each of the guard's plain positions at one step (the unit of the realized
-    figure a real call reports, :func:`hf_retrace.tuning.auto.realized_figure`)."""
+    figure a real call reports, :func:`hf_retrace.tuning.realized.realized_figure`)."""
     return (stats.draft_seconds + stats.verify_seconds) / step_seconds + stats.guard_plain_steps
 
 
@@ -182,7 +182,7 @@ def measure_price(target: Any, drafter: Any, policy: RoundPolicy, answers: list[
     within :data:`PRICE_SPREAD`; where they do not, a third pass is run and the two that agree best decide. The same
     calls give ``clocked``, their speed-up over the figure the generator's clocks give their rounds
     (:func:`clocked_cost`): the unit a real call's realized figure is counted in, which the calls that check a plain
-    choice are priced with (:func:`hf_retrace.tuning.auto.note_realized`).
+    choice are priced with (:func:`hf_retrace.tuning.realized.note_realized`).
     ``step_seconds`` (the timed one-token step) sizes the calls: none are made where two passes would take over
     :data:`PRICE_SECONDS`."""
     estimate = step_seconds * max_new_tokens * prompts * PRICE_PASSES * 1.6  # plain's steps and the drafted call's
