@@ -9,6 +9,7 @@ import gzip
 import json
 import multiprocessing
 import random
+import statistics
 
 import pytest
 import torch
@@ -138,6 +139,27 @@ def test_the_guard_backs_off_below_plain_and_drafts_again_after_its_period():
     for p in range(20, 24):  # 2 drafts, both accepted: 3 tokens per 1.9 steps, above plain: the period resets
         guard.record(p, 2, 2, False)
     assert guard.backoff == 4 and guard.drafts_at(24)
+
+
+def test_the_guard_beyond_its_noise_waits_out_a_bursty_window_but_not_steady_losses():
+    policy = RoundPolicy(verify_costs=(1.0, 1.2, 1.4, 1.6, 1.8, 2.0), draft_cost=0.4)  # 5 drafts: 2.4 steps
+    def bursty(guard):  # 5 drafts, all accepted or none, in turn: 6 or 1 tokens per 2.4 steps (7 per 4.8: pays)
+        for p in range(16):
+            guard.record(p, 5, 5 if p % 2 == 0 else 0, False)
+        for p in (16, 17, 18):  # then misses: a window of 8 with 2 bursts in it, 18 tokens per 19.2 steps, below
+            guard.record(p, 5, 0, False)  # plain by less than the call's spread of a round allows for
+        return guard
+    window_rule, beyond_noise = bursty(RoundGuard(policy, noise_z=0.0)), bursty(RoundGuard(policy, noise_z=1.0))
+    assert not window_rule.drafts_at(19) and beyond_noise.drafts_at(19)
+    excess = [6 - 2.4 if p % 2 == 0 else 1 - 2.4 for p in range(16)] + [1 - 2.4] * 3
+    assert beyond_noise.excess_sd == pytest.approx(statistics.stdev(excess))
+    steady = RoundGuard(policy, window=4, noise_z=1.0)
+    for p in range(4):  # every draft wrong: 1 token per 2.4 steps, no spread, so no allowance: backs off at once
+        steady.record(p, 5, 0, False)
+    assert steady.excess_sd == pytest.approx(0.0) and not steady.drafts_at(4)
+    one = RoundGuard(policy, noise_z=1.0)
+    one.record(0, 5, 5, False)
+    assert one.excess_sd == 0.0  # one round has no spread
 
 
 def test_the_guard_prices_rounds_by_the_calls_clock_once_it_has_timed_plain_steps():

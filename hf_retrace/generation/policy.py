@@ -25,8 +25,9 @@ from typing import Any
 
 from ..configuration import PROPOSAL_MODES, RETRACE_ABLATIONS
 
-__all__ = ["FIELD_RULES", "CacheOrigin", "CallObserver", "PolicyResolver", "RoundGuard", "RoundPolicy", "check_view",
-           "confident_prefix", "field_problem", "resolve_policy", "shipped_policy", "verify_cost", "view_policy"]
+__all__ = ["FIELD_RULES", "GUARD_NOISE_Z", "CacheOrigin", "CallObserver", "PolicyResolver", "RoundGuard", "RoundPolicy",
+           "check_view", "confident_prefix", "field_problem", "resolve_policy", "shipped_policy", "verify_cost",
+           "view_policy"]
 
 
 LOOKUP_COST = 0.01  # a lookup round's own work (the n-gram index), in one-token target steps
@@ -309,13 +310,21 @@ class RoundPolicy:
         return self.expected_speedup * (self.price if self.price is not None else 1.0)
 
 
+GUARD_NOISE_Z = 1.0  # the guard backs off a window below plain by more than this many of its standard deviations
+
+
 class RoundGuard:
     """Never slower than plain, within a call: backs off drafting while the recent rounds commit fewer tokens per
     step-cost than plain decoding's 1, and drafts again after a back-off period.
 
     Plain decoding commits one token per step. The guard keeps the last ``window`` drafting rounds; when they are
-    full and their tokens per step-cost fall below ``1 - margin``, the next ``backoff`` positions decode plainly (no
-    drafter forward); each back-off in a row doubles the period (up to ``max_backoff``), a good window resets it.
+    full and their tokens fall short of ``1 - margin`` per step-cost by more than their own noise, the next
+    ``backoff`` positions decode plainly (no drafter forward); each back-off in a row doubles the period (up to
+    ``max_backoff``), a window that pays resets it. The noise: ``noise_z`` standard deviations of a round's excess
+    (its tokens minus its step-cost, over the call so far) times ``sqrt(window)``. Acceptance comes in bursts, so
+    on text where drafting pays a window of 8 rounds often reads below plain by chance (0: any shortfall backs off,
+    as before issue 41's replication; it backed off 8-32 % of the dev sets' positions at T=0); where every draft
+    fails the rounds hardly spread, the allowance is near 0 and the guard backs off at the first window.
 
     A round's step-cost is the policy's measured cost (:meth:`RoundPolicy.round_cost`) until the call has timed
     ``clock_after`` of its own plain steps (:meth:`note_plain`, the first back-off's); from then on, where the caller
@@ -332,10 +341,11 @@ class RoundGuard:
     """
 
     def __init__(self, policy: RoundPolicy, window: int = 8, margin: float = 0.0, first_backoff: int = 4,
-                 max_backoff: int = 64, clock_after: int = 3, plain_kept: int = 16):
-        self.policy, self.window, self.margin = policy, window, margin
+                 max_backoff: int = 64, clock_after: int = 3, plain_kept: int = 16, noise_z: float = GUARD_NOISE_Z):
+        self.policy, self.window, self.margin, self.noise_z = policy, window, margin, noise_z
         self.first_backoff, self.max_backoff = first_backoff, max_backoff
         self.clock_after, self.plain_kept = clock_after, plain_kept
+        self.excess = (0, 0.0, 0.0)  # the call's rounds' tokens minus step-cost: count, mean, sum of squared deviations
         self.recent: list[tuple[int, float]] = []
         self.backoff = first_backoff
         self.plain_until = -1  # positions before this one decode plainly
@@ -356,6 +366,13 @@ class RoundGuard:
         """The median of the call's latest plain steps, once ``clock_after`` are timed (else None)."""
         return statistics.median(self.plain_seconds) if len(self.plain_seconds) >= self.clock_after else None
 
+    @property
+    def excess_sd(self) -> float:
+        """The standard deviation of a round's excess (tokens committed minus its step-cost) over the call so far (0
+        before two rounds)."""
+        n, _, squares = self.excess
+        return math.sqrt(squares / (n - 1)) if n > 1 else 0.0
+
     def record(self, position: int, drafted: int, accepted: int, from_lookup: bool,
                seconds: float | None = None) -> None:
         """Count a verified round anchored at ``position`` (its wall time ``seconds`` where timed); back off when the
@@ -367,16 +384,21 @@ class RoundGuard:
         else:
             cost = self.policy.round_cost(drafted, from_lookup)
         self.recent.append((accepted + 1, cost))
+        n, mean, squares = self.excess  # Welford's running mean and variance of a round's excess
+        delta = accepted + 1 - cost - mean
+        n, mean = n + 1, mean + delta / (n + 1)
+        self.excess = (n, mean, squares + delta * (accepted + 1 - cost - mean))
         if len(self.recent) < self.window:
             return
         self.recent = self.recent[-self.window:]
         tokens = sum(t for t, _ in self.recent)
         cost = sum(c for _, c in self.recent)
-        if tokens < (1.0 - self.margin) * cost:
+        plain = (1.0 - self.margin) * cost  # what plain decoding commits in the window's step-cost
+        if tokens < plain - self.noise_z * self.excess_sd * math.sqrt(self.window):
             self.plain_until = position + accepted + 1 + self.backoff
             self.backoff = min(2 * self.backoff, self.max_backoff)
             self.recent = []
-        else:
+        elif tokens >= plain:  # a window that pays resets the period; one below plain within the noise keeps it
             self.backoff = self.first_backoff
 
 
