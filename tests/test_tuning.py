@@ -162,6 +162,21 @@ def test_the_guard_beyond_its_noise_waits_out_a_bursty_window_but_not_steady_los
     assert one.excess_sd == 0.0  # one round has no spread
 
 
+def test_only_a_window_that_pays_resets_the_guards_back_off_period():
+    policy = RoundPolicy(verify_costs=(1.0, 1.2, 1.4, 1.6, 1.8, 2.0), draft_cost=0.4)  # 5 drafts: 2.4 steps
+    guard = RoundGuard(policy, window=4, noise_z=1.0)
+    for p in range(4):  # every draft wrong, no spread: backs off, the next period doubles
+        guard.record(p, 5, 0, False)
+    assert not guard.drafts_at(4) and guard.backoff == 8
+    for p, accepted in zip(range(8, 12), (5, 0, 0, 0)):  # 9 tokens per 9.6 steps: below plain, within the noise
+        guard.record(p, 5, accepted, False)
+    assert guard.drafts_at(12) and guard.backoff == 8  # neither a back-off nor a reset
+    guard.record(12, 5, 5, False)  # the window 1, 1, 1, 6: 9 tokens per 9.6 steps again
+    assert guard.backoff == 8
+    guard.record(13, 5, 5, False)  # 1, 1, 6, 6: 14 tokens per 9.6 steps, pays
+    assert guard.backoff == guard.first_backoff
+
+
 def test_the_guard_prices_rounds_by_the_calls_clock_once_it_has_timed_plain_steps():
     policy = RoundPolicy(verify_costs=(1.0, 1.2, 1.4), draft_cost=0.5)  # 2 drafts: 1.9 steps by the model
     guard = RoundGuard(policy, window=4, first_backoff=4, clock_after=3)

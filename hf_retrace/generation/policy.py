@@ -385,9 +385,9 @@ class RoundGuard:
             cost = self.policy.round_cost(drafted, from_lookup)
         self.recent.append((accepted + 1, cost))
         n, mean, squares = self.excess  # Welford's running mean and variance of a round's excess
-        delta = accepted + 1 - cost - mean
-        n, mean = n + 1, mean + delta / (n + 1)
-        self.excess = (n, mean, squares + delta * (accepted + 1 - cost - mean))
+        excess = accepted + 1 - cost
+        moved = mean + (excess - mean) / (n + 1)
+        self.excess = (n + 1, moved, squares + (excess - mean) * (excess - moved))
         if len(self.recent) < self.window:
             return
         self.recent = self.recent[-self.window:]

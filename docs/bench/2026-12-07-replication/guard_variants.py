@@ -29,7 +29,7 @@ class Jittered(RoundGuard):
     """The guard with each round's step-cost jittered (the clock's noise); its rule is RoundGuard's own."""
     def record(self, position, drafted, accepted, from_lookup, seconds=None):
         cost = self.policy.round_cost(drafted, from_lookup) * math.exp(rng.gauss(0.0, NOISE))
-        super().record(position, drafted, accepted, from_lookup, seconds=cost, )
+        super().record(position, drafted, accepted, from_lookup, seconds=cost)
 
 
 def walk(answers, guard):
