@@ -17,6 +17,10 @@
 #   run(command="bash examples/device_calls.sh second", carry=[".cache/device_partN"], timeout_s=570)
 #
 # BUDGET_S (default 420) is the check's own time budget in the last call (device_check.py --budget-s).
+#
+# Then, with the minutes left, the drafter's training (issue 36; docs/gpu.md, "Training on the lent GPU"):
+#   bash examples/device_calls.sh prepare-train   # here: .cache/device_train (the tokenized answers, held-out prompts)
+#   run(command="TRAIN_MIN=3 bash examples/device_calls.sh train", carry=[".cache/device_train"], timeout_s=330)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -155,12 +159,93 @@ second() {  # on the device: the real pair when the conversion works, else the s
   return "$status"
 }
 
+# --- issue 36: training on the lent GPU, after the check --------------------------------------------------------
+TRAIN=.cache/device_train  # the tokenized answers (tar.xz) and the held-out prompts; carried by the train call
+
+prepare_train() {  # here: what the train call carries, from the tokenized answers of train_smollm2_drafter.sh
+  local tok="${TOK:-${HF_RETRACE_RUNS:-$HOME/.cache/hf_retrace_runs}/tok-breadth}"
+  local prompts="${EVAL_PROMPTS:-${HF_RETRACE_DATA:-$HOME/.cache/hf_retrace_data}/round-record-prompts.jsonl}"
+  if [ ! -f "$tok/manifest.json" ] || [ ! -f "$prompts" ]; then
+    echo "device_calls prepare-train: needs the tokenized answers ($tok, from \`bash examples/train_smollm2_drafter.sh" \
+         "breadth-tokens\`) and the held-out prompts ($prompts, from examples/round_record_prompts.py); set TOK and" \
+         "EVAL_PROMPTS to use others." >&2
+    exit 2
+  fi
+  rm -rf "$TRAIN" && mkdir -p "$TRAIN"
+  tar -cJf "$TRAIN/tok.tar.xz" -C "$tok" .
+  cp "$prompts" "$TRAIN/eval-prompts.jsonl"
+  # the GGUF's last part travels again where it fits, so that a machine that lost /tmp (but kept the earlier parts in
+  # .cache/device_kept) can convert again
+  local tree size last="" carry="\"$TRAIN\""
+  for dir in "$PARTS"[0-9]*; do [ -f "$dir/parts" ] && last=$dir; done
+  tree=$(tree_bytes)
+  size=$(du -sb "$TRAIN" | awk '{print $1}')
+  if [ -n "$last" ] && [ $((size + $(du -sb "$last" | awk '{print $1}') + tree + MARGIN)) -le "$LIMIT" ]; then
+    size=$((size + $(du -sb "$last" | awk '{print $1}')))
+    carry="$carry, \"$last\""
+  fi
+  echo "$TRAIN${last:+ and $last}: $((size / 1024)) KiB ($(python3 -c "import json, sys; m = json.load(open(sys.argv[1]));
+print(f\"{m.get('num_sequences', '?')} sequences, {m.get('num_tokens', '?')} tokens\")" "$tok/manifest.json"))" \
+       "+ the working tree $((tree / 1024)) KiB of the $((LIMIT / 1024)) KiB a call carries" >&2
+  if [ $((size + tree + MARGIN)) -gt "$LIMIT" ]; then
+    echo "device_calls prepare-train: over the device's 64 MiB with the working tree." >&2
+    exit 3
+  fi
+  echo "ready: right after \`second\` (within 30 s, the converted target still on the machine), with TRAIN_MIN the" \
+       "minutes of device time left less about 1.5:" >&2
+  echo "  run(command=\"TRAIN_MIN=3 bash examples/device_calls.sh train\", carry=[$carry], timeout_s=330)" >&2
+}
+
+train() {  # on the device: the drafter trained for TRAIN_MIN minutes on the carried answers; its weights come back
+  local out="${OUT:-/tmp}" target run=/tmp/hf_retrace_run tok=/tmp/hf_retrace_tok status=0
+  export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_RETRACE_CACHE=/tmp/hf_retrace_cache
+  if [ ! -f "$TRAIN/tok.tar.xz" ]; then
+    echo "the train call carries $TRAIN (bash examples/device_calls.sh prepare-train, here)" >&2
+    return 2
+  fi
+  # the target `second` converted (the warm machine keeps /tmp), else converted again from the kept parts
+  if ! target=$(python3 -c "from hf_retrace.defaults import ensure_default_target as e; print(e(progress=False))" \
+                2>/dev/null) || [ ! -f "$target/config.json" ]; then
+    target=$(convert 2> >(tee "$out/convert.log" >&2)) || {
+      echo "no converted target on this machine and none could be made (convert.log): run the calls of" \
+           "\`prepare\` first, then this one within 30 s of \`second\`" >&2
+      return 1
+    }
+  fi
+  rm -rf "$tok" "$run" && mkdir -p "$tok"
+  tar -xJf "$TRAIN/tok.tar.xz" -C "$tok"
+  local init=(--init-from "${INIT:-hf_retrace/default_drafter}" --draft-vocab-size "${VOCAB:-8960}")
+  if [ "${INIT:-}" = "none" ]; then  # a fresh drafter of LAYERS layers and block BLOCK
+    init=(--num-layers "${LAYERS:-2}" --block-size "${BLOCK:-8}" --target-layer-ids 1,8,14,20,27
+          --draft-vocab-size "${VOCAB:-8960}")
+  fi
+  set -o pipefail
+  python3 -m hf_retrace.cli train --stage backbone --target "$target" --data "$tok" --out "$run" "${init[@]}" \
+      --max-minutes "${TRAIN_MIN:-3}" --epochs "${EPOCHS:-20}" --batch-size "${BATCH:-16}" --grad-accum 1 \
+      --num-anchors "${ANCHORS:-128}" --gamma "${GAMMA:-4}" --lr "${LR:-3e-4}" --warmup-ratio 0.02 \
+      --bf16 --target-dtype bf16 --save-dtype bf16 --eval-prompts "$TRAIN/eval-prompts.jsonl" --eval-every 0 \
+      --eval-max-new-tokens 64 --save-every 1000 --keep-checkpoints 1 --no-progress ${TRAIN_FLAGS:-} 2>&1 |
+    tee "$out/train.log" || status=$?
+  # back: the weights in shards under the 16 MiB a file may be, the logs and model card in one archive
+  if [ -f "$run/config.json" ]; then
+    python3 -c "import sys, torch; from hf_retrace import ReTraceDrafter as D
+D.from_pretrained(sys.argv[1], dtype=torch.bfloat16).save_pretrained(sys.argv[2], max_shard_size='12MB')" \
+      "$run" "$out/drafter" || status=$?
+  fi
+  tar -czf "$out/run.tar.gz" -C "$run" --exclude checkpoints --exclude model.safetensors . || true
+  ls -l "$out" "$out/drafter" 2>/dev/null || true
+  return "$status"
+}
+
 case "${1:-}" in
   prepare) prepare ;;
+  prepare-train) prepare_train ;;
+  train) train ;;
   first) first ;;
   keep) [ -n "${2:-}" ] || { echo "usage: bash examples/device_calls.sh keep K (a part between the first and the last)" >&2; exit 2; }
         keep "$2" ;;
   second) second ;;
   convert) convert ;;  # the second call's first half alone (to try the join and conversion without a GPU)
-  *) echo "usage: bash examples/device_calls.sh prepare | first | keep K | second (docs/gpu.md)" >&2; exit 2 ;;
+  *) echo "usage: bash examples/device_calls.sh prepare | first | keep K | second | prepare-train | train" \
+          "(docs/gpu.md)" >&2; exit 2 ;;
 esac

@@ -16,6 +16,7 @@
 # `DRAFTER=$RUNS/shape-l2-b8-c2 ... breadth-calibrate` (2026-12-03 to 05: breadth-continue's, the one before it, whose
 # breadth-data took 14,986 answers where the current machine had 8,002). On a 2-core Xeon with AMX it took: the answers
 # 2 h 45 min (WORKERS=2), breadth-data ~35 min, the two runs side by side 77 min (THREADS=1 each), calibration 10 min:
+#   breadth-tokens    the tokenization alone (no features: a GPU computes its own, examples/device_calls.sh)
 #   breadth-data      tokenize the shipped answers, then the new ones, leaving out the prompts rounds are recorded
 #                     on (round-record-prompts.jsonl, examples/round_record_prompts.py --prompts-dir); run it again
 #                     as more answers arrive: the folder grows and the features keep their shards
@@ -103,12 +104,15 @@ retrace() {
       --target-dtype float32 --save-dtype bfloat16 --eval-every 280 --eval-limit 6 --eval-max-new-tokens 64 \
       --save-every 40 --keep-checkpoints 2 "$@"
 }
-breadth_data() {
+breadth_tokens() {  # the tokenized answers alone (what a GPU lease carries: examples/device_calls.sh prepare-train)
   : "${HF_RETRACE_TARGET_ANSWERS:?set it to the JSONL of the shipped answers of the target}"
   local answers=("$DATA/responses")
   for extra in "$DATA"/responses-w*; do [ -d "$extra" ] && answers+=("$extra"); done  # WORKERS > 1 folders
   hf-retrace data tokenize --target default --responses "$HF_RETRACE_TARGET_ANSWERS" "${answers[@]}" --out "$BTOK" \
       --max-length 1024 --exclude-ids "$DATA/round-record-prompts.jsonl"
+}
+breadth_data() {
+  breadth_tokens
   # --dtype auto: a bf16 forward on a CPU with bf16 units (3.8-4.5x fp32's speed on a Xeon with AMX), fp32 elsewhere
   hf-retrace data features --target default --data "$BTOK" --out "$BFEATS" --target-layer-ids 1,8,14,20,27 \
       --dtype auto --storage-dtype bfloat16 --max-batch-tokens 4096 "$@"
@@ -181,6 +185,7 @@ shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner tra
 }
 case "$STEP" in
   breadth-data) breadth_data "$@" ;;
+  breadth-tokens) breadth_tokens ;;
   breadth-heldout) breadth_heldout "$@" ;;
   breadth-continue) breadth_run breadth-continue --init-from "${INIT:-hf_retrace/default_drafter}" --lr "${LR:-6e-4}" \
       --draft-vocab-size 8960 --seed 1 "$@" ;;

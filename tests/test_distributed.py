@@ -145,3 +145,14 @@ def test_a_hung_teardown_ends_the_process_with_success_and_a_warning(hangs):
         assert "teardown hung" in done.stderr and "after the teardown" not in done.stdout
     else:
         assert "teardown hung" not in done.stderr and "after the teardown" in done.stdout
+
+
+def test_two_processes_fit_one_schedule_to_a_time_budget_and_stop_together(tiny_run, tmp_path):
+    """``--max-minutes`` under two processes: each times its own steps, yet both must fit the same total and stop at
+    the same step, or one would wait forever in the other's next all-reduce (the launch's 300 s limit fails it)."""
+    _train(tiny_run, tmp_path / "budget", 2, "--max-steps", "100000", "--max-minutes", "0.25", "--save-every", "0")
+    summary = json.loads((tmp_path / "budget" / "training_summary.json").read_text())
+    log = _log(tmp_path / "budget")
+    assert [r["step"] for r in log] == list(range(1, summary["steps"] + 1))
+    assert summary["total_steps"] < 100000  # fit to the budget, far short of the cap
+    assert summary["steps"] == summary["total_steps"] or summary["stopped_by_time_budget"]

@@ -376,6 +376,75 @@ def test_resume_passes_over_a_damaged_newest_checkpoint(counting_target, tmp_pat
                               "--resume"))
 
 
+class _Clock:
+    """The time budget's clock, advanced by the steps themselves: ``seconds(step)`` a step, none elsewhere."""
+
+    def __init__(self, trainer, seconds):
+        self.now = 1000.0
+        trainer._clock = lambda: self.now
+        inner = trainer._accumulate
+
+        def accumulate(batches):
+            self.now += seconds(trainer.state.step)
+            return inner(batches)
+
+        trainer._accumulate = accumulate
+
+
+def test_a_time_budget_fits_the_schedule_to_the_steps_it_holds_and_ends_it_low(counting_target, tmp_path):
+    """1 s a step and a 40 s budget: the first 2 steps untimed, the next 10 timed (1 s each), then the 28 s left hold
+    26 more steps (95 % of them): the schedule ends at step 38, its rate there near 0, the loop ends with it."""
+    target = counting_target
+    data = FeatureDataset(_dataset(16))  # 4 steps an epoch: 100 epochs cap it at 400
+    trainer = _trainer(target, make_drafter(target), tmp_path / "run", max_steps=None, dataset=data, epochs=100,
+                       save_every=0, max_seconds=40)
+    _Clock(trainer, lambda step: 1.0)
+    assert trainer.total_steps == 400
+    summary = trainer.train()
+    assert summary["steps"] == summary["total_steps"] == 38 and not summary["stopped_by_time_budget"]
+    assert trainer.state.total_steps == 38 and trainer.warmup_steps == 2
+    assert trainer.scheduler.get_last_lr()[0] < 0.01 * trainer.args.lr
+    assert latest_checkpoint(tmp_path / "run").name == "step-38"
+
+
+def test_a_time_budget_never_goes_past_the_epochs_cap(counting_target, tmp_path):
+    target = counting_target
+    trainer = _trainer(target, make_drafter(target), tmp_path / "run", max_steps=None,
+                       dataset=FeatureDataset(_dataset(16)), epochs=4, save_every=0, max_seconds=1000)
+    _Clock(trainer, lambda step: 1.0)
+    summary = trainer.train()
+    assert summary["steps"] == summary["total_steps"] == 16 and not summary["stopped_by_time_budget"]
+
+
+def test_a_spent_time_budget_stops_the_loop_and_a_resume_keeps_the_fitted_schedule(counting_target, tmp_path, capsys):
+    """Steps 3x slower after the fit: the loop stops when the 40 s are spent (step 20: 12 s, then 3 s a step), saves
+    a checkpoint and says so; a resume (its own budget, its steps fast again) ends at the fitted step 38 with no new
+    fit, though its own speed would have fit another."""
+    target = counting_target
+    data = FeatureDataset(_dataset(16))
+    init = make_drafter(target).state_dict()
+
+    def run(resume):
+        drafter = make_drafter(target)
+        drafter.load_state_dict(init)
+        return _trainer(target, drafter, tmp_path / "run", max_steps=None, dataset=data, epochs=100, save_every=0,
+                        max_seconds=40, resume=resume)
+
+    slow = run(resume=False)
+    _Clock(slow, lambda step: 1.0 if step < 12 else 3.0)
+    summary = slow.train()
+    assert summary["stopped_by_time_budget"] and summary["total_steps"] == 38
+    assert summary["steps"] == 12 + (40 - 12 + 2) // 3 == 22  # the step that crosses the budget is the last one
+    assert latest_checkpoint(tmp_path / "run").name == "step-22"
+    assert "ran out at step 22 of 38" in capsys.readouterr().out
+    resumed = run(resume=True)
+    _Clock(resumed, lambda step: 0.1)
+    summary = resumed.train()
+    assert summary["steps"] == 38 and resumed.state.total_steps == 38 and not summary["stopped_by_time_budget"]
+    assert "time budget:" not in capsys.readouterr().out
+    assert resumed.scheduler.get_last_lr()[0] < 0.01 * resumed.args.lr
+
+
 def test_end_to_end_lowers_loss_and_raises_real_tau(counting_target, tmp_path):
     target = counting_target
     drafter = make_drafter(target, block_size=4, layers=2)
@@ -492,6 +561,9 @@ def test_cli_refuses_bad_input_before_loading_models(tmp_path):
     with pytest.raises(SystemExit, match="--init-from"):
         cmd_train(_train_args("--target", "default", "--data", str(data), "--out", str(tmp_path / "o3"),
                               "--stage", "retrace"))
+    with pytest.raises(SystemExit, match="--max-minutes must be a positive number of minutes, got 0"):
+        cmd_train(_train_args("--target", "default", "--data", str(data), "--out", str(tmp_path / "o5"),
+                              "--max-minutes", "0"))
     with pytest.raises(SystemExit, match="eval-prompts"):
         cmd_train(_train_args("--target", "default", "--data", str(data), "--out", str(tmp_path / "o4"),
                               "--eval-prompts", str(tmp_path / "missing.jsonl")))

@@ -37,6 +37,7 @@ from torch import nn
 from .checkpoints import latest_checkpoint, read_checkpoint, save_in_dtype, truncate_log, write_checkpoint
 from .features import collate_sequences
 from .objective import tau_proxy
+from .time_budget import BUDGET_SAFETY, TimeBudget
 
 __all__ = ["Trainer", "TrainingArguments", "backbone_parameters", "exit_if_still_running", "retrace_parameters"]
 
@@ -86,6 +87,9 @@ class TrainingArguments:
     max_grad_norm: float = 1.0
     epochs: float = 1.0
     max_steps: int | None = None
+    # wall-clock seconds for this process's loop (the starting evaluation included): the schedule is fit to end within
+    # them, at the latest at what ``epochs`` / ``max_steps`` set, and the loop stops at them whatever happens
+    max_seconds: float | None = None
     mixed_precision: str = "no"  # "no" | "bf16" | "fp16"
     save_every: int = 500
     keep_checkpoints: int = 2
@@ -106,6 +110,7 @@ class _State:
     labels: int = 0
     seconds: float = 0.0  # training wall time before this process
     last_eval: dict = field(default_factory=dict)
+    total_steps: int = 0  # the steps a time budget fit the schedule to (0: none; ``epochs`` / ``max_steps`` set it)
 
 
 def _lr_lambda(total_steps: int, warmup_steps: int, min_ratio: float) -> Callable[[int], float]:
@@ -203,16 +208,32 @@ class Trainer:
                 f"({args.batch_size} x {world} processes)."
             )
         steps_per_epoch = self.micro_per_epoch / args.grad_accum
-        self.total_steps = int(args.max_steps) if args.max_steps else max(1, int(args.epochs * steps_per_epoch))
-        self.warmup_steps = int(math.ceil(args.warmup_ratio * self.total_steps))
+        # the steps ``epochs`` / ``max_steps`` set; a time budget may fit fewer (``_fit_to_budget``)
+        self.step_cap = int(args.max_steps) if args.max_steps else max(1, int(args.epochs * steps_per_epoch))
+        self._set_schedule(self.step_cap)
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay, betas=ADAMW_BETAS)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, _lr_lambda(self.total_steps, self.warmup_steps, args.min_lr_ratio)
-        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self._schedule(step))
         self.model, self.optimizer = self.accelerator.prepare(objective, optimizer)
         # the schedule is a pure function of the step: restored from trainer_state.json, never pickled
         self.state = _State()
         self.trainable_params = trainable
+        self._clock: Callable[[], float] = time.perf_counter  # the time budget's clock (tests give their own)
+
+    def _set_schedule(self, total_steps: int) -> None:
+        """Warm-up and cosine over ``total_steps`` (the scheduler reads it at its next step)."""
+        self.total_steps = total_steps
+        self.warmup_steps = int(math.ceil(self.args.warmup_ratio * total_steps))
+        self._schedule = _lr_lambda(total_steps, self.warmup_steps, self.args.min_lr_ratio)
+
+    def _reschedule(self, total_steps: int) -> None:
+        """``_set_schedule``, and the optimizer's rate set at once to the new schedule's at the current step."""
+        import warnings
+
+        self._set_schedule(total_steps)
+        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended, nothing is skipped
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.last_epoch = self.state.step - 1
+            self.scheduler.step()
 
     # --- data order ----------------------------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -261,13 +282,9 @@ class Trainer:
                                 self.out_dir, self.args.keep_checkpoints)
 
     def load_checkpoint(self, path: Path) -> None:
-        import warnings
-
         self.state = _State(**read_checkpoint(self.accelerator, self.model, self.optimizer, path))
-        with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": intended, nothing is skipped
-            warnings.simplefilter("ignore", UserWarning)
-            self.scheduler.last_epoch = self.state.step - 1
-            self.scheduler.step()
+        # a schedule a time budget fit goes on as it was fit (a resumed run gets no second fit)
+        self._reschedule(self.state.total_steps or self.step_cap)
         if self.accelerator.is_main_process:
             truncate_log(self.out_dir / LOG_FILE, self.state.step)
 
@@ -301,19 +318,44 @@ class Trainer:
                                    f"{result['eval_prompts']} prompts ({result['eval_seconds']:.0f} s)")
         return result.get("eval_seconds", 0.0)
 
-    def _starting_evaluation(self) -> None:
+    def _starting_evaluation(self) -> float:
         """With periodic evaluations, τ of the drafter the run starts from, logged as step 0 (the learning curve's
         origin: a fine-tuned drafter's starting point, a fresh one's ~1); a log left by a start killed before its
-        first checkpoint is cleared first."""
+        first checkpoint is cleared first. Its seconds (0 without one)."""
         if self.accelerator.is_main_process:
             truncate_log(self.out_dir / LOG_FILE, -1)
         if not (self.args.eval_every and self.eval_fn is not None):
-            return
+            return 0.0
         result = self.evaluate()
         if result:
             self._log({"step": 0, "tokens": 0, "labels": 0, "seconds": 0.0, **result})
             self.accelerator.print(f"[hf-retrace] step 0: tau {result['tau']:.3f} on {result['eval_prompts']} prompts "
                                    f"({result['eval_seconds']:.0f} s), before training")
+        return result.get("eval_seconds", 0.0)
+
+    # --- a time budget -------------------------------------------------------------------------------------------
+    def _agreed(self, value: float, largest: bool) -> float:
+        """The largest (or smallest) of ``value`` over every process: decisions that end or reshape the loop must be
+        the same on all of them."""
+        if self.accelerator.num_processes == 1:
+            return value
+        values = self.accelerator.gather(torch.tensor([float(value)], device=self.accelerator.device))
+        return float(values.max() if largest else values.min())
+
+    def _fit_to_budget(self, budget: TimeBudget) -> None:
+        """Fit the schedule to the steps the rest of ``budget`` holds at the speed measured so far (periodic
+        evaluations priced at the latest one's seconds), at most ``step_cap``; recorded, so a resume keeps it."""
+        per_step = budget.seconds_per_step()
+        if self.args.eval_every and self.eval_fn is not None:
+            per_step += budget.eval_seconds / self.args.eval_every
+        more = int(BUDGET_SAFETY * max(budget.remaining(), 0.0) / max(per_step, 1e-9))
+        total = int(self._agreed(min(self.step_cap, self.state.step + more), largest=False))
+        self.state.total_steps = total
+        self._reschedule(total)
+        self.accelerator.print(
+            f"[hf-retrace] time budget: {budget.seconds / 60:.1f} min, {per_step:.3g} s a step here: the schedule "
+            f"now ends at step {total}" + (f" (the cap, --epochs / --max-steps: {self.step_cap})"
+                                           if total == self.step_cap else f" (of {self.step_cap} without it)"))
 
     # --- the loop ------------------------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -328,8 +370,12 @@ class Trainer:
                 acc.print(f"[hf-retrace] resumed from {ckpt} (step {self.state.step}/{self.total_steps})")
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-        if self.state.step == 0:
-            self._starting_evaluation()
+        budget = TimeBudget(args.max_seconds, self._clock) if args.max_seconds else None
+        eval_seconds = self._starting_evaluation() if self.state.step == 0 else 0.0
+        fit_due = budget is not None and not self.state.total_steps
+        if budget is not None:
+            budget.loop_started(eval_seconds)
+        stopped_by_budget = False
         self.model.train()
         batches = self._loader(self.state.micro_step)
         started = time.perf_counter()
@@ -352,19 +398,35 @@ class Trainer:
                 "tokens": self.state.tokens, "labels": self.state.labels, "tok_s": tok_s,
                 "seconds": self.state.seconds, "acc_slot": [round(a, 4) for a in acc_slot],
             }
-            started += self._periodic_evaluation(record)  # keep tok/s about training
+            eval_seconds = self._periodic_evaluation(record)
+            started += eval_seconds  # keep tok/s about training
+            if budget is not None:
+                budget.step_done(eval_seconds)
+                if fit_due and budget.fit_ready():
+                    self._fit_to_budget(budget)
+                    fit_due = False
+                    bar.total = self.total_steps
             if self.state.step % args.log_every == 0 or "tau" in record:
                 self._log(record)
             bar.update(1)
             bar.set_postfix(loss=f"{loss_value:.3f}", acc=f"{acc_all:.3f}", tok_s=f"{tok_s:.0f}", refresh=False)
             if args.save_every and self.state.step % args.save_every == 0 and self.state.step < self.total_steps:
                 self.save_checkpoint()
+            if (budget is not None and self.state.step < self.total_steps
+                    and self._agreed(budget.remaining() <= 0, largest=True)):
+                stopped_by_budget = True
+                break
         bar.close()
         latest = latest_checkpoint(self.out_dir)
         if self.state.step and (latest is None or latest.name != f"step-{self.state.step}"):
             self.save_checkpoint()
+        if stopped_by_budget:
+            acc.print(f"[hf-retrace] the time budget ({args.max_seconds / 60:.1f} min) ran out at step "
+                      f"{self.state.step} of {self.total_steps}, before the schedule's end; a checkpoint is saved and "
+                      f"--resume goes on with the same schedule")
         return {"steps": self.state.step, "tokens": self.state.tokens, "labels": self.state.labels,
-                "seconds": self.state.seconds, "last_eval": self.state.last_eval}
+                "seconds": self.state.seconds, "last_eval": self.state.last_eval, "total_steps": self.total_steps,
+                "stopped_by_time_budget": stopped_by_budget}
 
     def _accumulate(self, batches: Iterator[dict[str, Any]]) -> _StepSums:
         """One optimizer step on this process: ``grad_accum`` micro-batches, then clip, step, schedule, zero."""

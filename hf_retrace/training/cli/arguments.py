@@ -98,6 +98,11 @@ def _add_optimisation_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=None, help="optimizer steps (overrides --epochs)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-clock minutes for this process's training loop: the learning-rate schedule is fit to "
+                        "end within them (from the speed of the first steps), at the latest where --epochs or "
+                        "--max-steps end it, and the loop stops at them regardless (a checkpoint is saved; --resume "
+                        "goes on with the same schedule); the final evaluation and saving come after")
     p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 master weights)")
     p.add_argument("--target-dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")
     p.add_argument("--save-dtype", type=dtype_arg, choices=SHORT_DTYPES, default="bf16")

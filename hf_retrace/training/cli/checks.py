@@ -278,6 +278,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise usage_error("--lr must be > 0, --warmup-ratio in [0, 1), --epochs > 0.")
     if args.max_steps is not None and args.max_steps < 1:
         raise usage_error("--max-steps must be at least 1.")
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        raise usage_error(f"--max-minutes must be a positive number of minutes, got {args.max_minutes}.")
 
 
 def _check_drafter_flags(args: argparse.Namespace) -> None:

@@ -200,6 +200,7 @@ def _training_arguments(args: argparse.Namespace, out: Path) -> TrainingArgument
         out_dir=str(out), batch_size=args.batch_size, grad_accum=args.grad_accum, lr=args.lr,
         weight_decay=args.weight_decay, warmup_ratio=args.warmup_ratio, max_grad_norm=args.max_grad_norm,
         epochs=args.epochs, max_steps=args.max_steps, mixed_precision="bf16" if args.bf16 else "no",
+        max_seconds=args.max_minutes * 60 if args.max_minutes else None,
         save_every=args.save_every, keep_checkpoints=args.keep_checkpoints, eval_every=args.eval_every,
         seed=args.seed, num_workers=args.num_workers, progress=not args.no_progress,
         save_dtype=args.save_dtype, resume=args.resume,
@@ -213,9 +214,12 @@ def _print_plan(trainer: Trainer, args: argparse.Namespace, target_path: str, dr
               f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.2f} M params, {config.num_hidden_layers} "
               f"layers, block {config.block_size}, target layers {config.target_layer_ids}, "
               f"mask: {'learned vector' if config.learned_mask_embedding else config.mask_token_id}")
-    acc.print(f"[hf-retrace] {num_sequences} training sequences, features {mode}, {trainer.total_steps} steps "
+    steps = (f"up to {trainer.total_steps} steps (fit to --max-minutes {args.max_minutes:g} after the first ones)"
+             if args.max_minutes else f"{trainer.total_steps} steps")
+    acc.print(f"[hf-retrace] {num_sequences} training sequences, features {mode}, {steps} "
               f"({args.batch_size} x {args.grad_accum} x {acc.num_processes} sequences each), warmup "
-              f"{trainer.warmup_steps}; {num_prompts} eval prompts")
+              f"{f'{args.warmup_ratio:g} of them' if args.max_minutes else trainer.warmup_steps}; "
+              f"{num_prompts} eval prompts")
     if args.distill_weight:
         acc.print(f"[hf-retrace] loss: {1 - args.distill_weight:g} x the target's token + {args.distill_weight:g} x "
                   f"its top-k distribution ({args.topk_dir})")
@@ -252,7 +256,8 @@ def _card_info(args: argparse.Namespace, manifest: dict[str, Any], target_path: 
                             f"target layers {config.target_layer_ids}, {args.num_anchors} anchors, "
                             f"gamma {args.gamma}, "
                             + (f"top-k distillation weight {args.distill_weight}, " if args.distill_weight else "")
-                            + f"lr {args.lr}, warmup {args.warmup_ratio}, cosine, "
+                            + f"lr {args.lr}, warmup {args.warmup_ratio}, cosine over {summary['total_steps']} steps"
+                            + (f" (fit to --max-minutes {args.max_minutes:g})" if args.max_minutes else "") + ", "
                             f"batch {args.batch_size}x{args.grad_accum}x{acc.num_processes}, "
                             f"{'bf16' if args.bf16 else 'fp32'}, AdamW{ADAMW_BETAS}, wd {args.weight_decay}, clip "
                             f"{args.max_grad_norm}"),
