@@ -21,6 +21,7 @@
 # Then, with the minutes left, the drafter's training (issue 36; docs/gpu.md, "Training on the lent GPU"):
 #   bash examples/device_calls.sh prepare-train   # here: .cache/device_train (the tokenized answers, held-out prompts)
 #   run(command="TRAIN_MIN=3 bash examples/device_calls.sh train", carry=[".cache/device_train"], timeout_s=330)
+# GEN=1 at prepare-train and GEN_MIN=M at train make answers on the GPU for M minutes first and train on all of them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -174,17 +175,33 @@ prepare_train() {  # here: what the train call carries, from the tokenized answe
   rm -rf "$TRAIN" && mkdir -p "$TRAIN"
   tar -cJf "$TRAIN/tok.tar.xz" -C "$tok" .
   cp "$prompts" "$TRAIN/eval-prompts.jsonl"
+  if [ -n "${GEN:-}" ]; then  # answers made on the GPU too: the raw answers and the next unanswered prompts travel
+    local data="${HF_RETRACE_DATA:-$HOME/.cache/hf_retrace_data}" answers=() dir
+    : "${HF_RETRACE_TARGET_ANSWERS:?GEN=1 needs HF_RETRACE_TARGET_ANSWERS, the JSONL of the shipped answers}"
+    for dir in "$data"/responses "$data"/responses-w*; do [ -d "$dir" ] && answers+=("$dir"); done
+    mkdir -p "$TRAIN/answers"
+    cp "$HF_RETRACE_TARGET_ANSWERS" "$TRAIN/answers/shipped.jsonl"
+    for dir in "${answers[@]}"; do  # complete shards only (a shard being written is not an answer yet)
+      mkdir -p "$TRAIN/answers/$(basename "$dir")" && cp "$dir"/responses-*.jsonl "$TRAIN/answers/$(basename "$dir")/"
+    done
+    tar -cJf "$TRAIN/answers.tar.xz" -C "$TRAIN/answers" . && rm -rf "$TRAIN/answers"
+    hf-retrace data mix --prompts "$data"/prompts/{code-library,first-turns-code,first-turns-chat,second-turns}.jsonl \
+      --answered "$HF_RETRACE_TARGET_ANSWERS" "${answers[@]}" --per-file "${GEN_PER_FILE:-4000}" \
+      --out "$TRAIN/prompts.jsonl" >&2
+    xz -f "$TRAIN/prompts.jsonl"
+  fi
   # the GGUF's last part travels again where it fits, so that a machine that lost /tmp (but kept the earlier parts in
   # .cache/device_kept) can convert again
-  local tree size last="" carry="\"$TRAIN\""
+  local tree size last="" carried="" carry="\"$TRAIN\""
   for dir in "$PARTS"[0-9]*; do [ -f "$dir/parts" ] && last=$dir; done
   tree=$(tree_bytes)
   size=$(du -sb "$TRAIN" | awk '{print $1}')
   if [ -n "$last" ] && [ $((size + $(du -sb "$last" | awk '{print $1}') + tree + MARGIN)) -le "$LIMIT" ]; then
     size=$((size + $(du -sb "$last" | awk '{print $1}')))
     carry="$carry, \"$last\""
+    carried=" and $last"
   fi
-  echo "$TRAIN${last:+ and $last}: $((size / 1024)) KiB ($(python3 -c "import json, sys; m = json.load(open(sys.argv[1]));
+  echo "$TRAIN$carried: $((size / 1024)) KiB ($(python3 -c "import json, sys; m = json.load(open(sys.argv[1]));
 print(f\"{m.get('num_sequences', '?')} sequences, {m.get('num_tokens', '?')} tokens\")" "$tok/manifest.json"))" \
        "+ the working tree $((tree / 1024)) KiB of the $((LIMIT / 1024)) KiB a call carries" >&2
   if [ $((size + tree + MARGIN)) -gt "$LIMIT" ]; then
@@ -214,6 +231,25 @@ train() {  # on the device: the drafter trained for TRAIN_MIN minutes on the car
   fi
   rm -rf "$tok" "$run" && mkdir -p "$tok"
   tar -xJf "$TRAIN/tok.tar.xz" -C "$tok"
+  if [ "${GEN_MIN:-0}" != 0 ]; then  # answers made here first, then every answer tokenized anew
+    if [ ! -f "$TRAIN/answers.tar.xz" ]; then
+      echo "GEN_MIN needs the raw answers and prompts: GEN=1 bash examples/device_calls.sh prepare-train" >&2
+      return 2
+    fi
+    local answers=/tmp/hf_retrace_answers
+    rm -rf "$answers" "$tok" && mkdir -p "$answers"
+    tar -xJf "$TRAIN/answers.tar.xz" -C "$answers"
+    xz -dc "$TRAIN/prompts.jsonl.xz" > /tmp/hf_retrace_prompts.jsonl
+    timeout "$(python3 -c "import sys; print(int(float(sys.argv[1]) * 60))" "$GEN_MIN")" \
+      python3 -m hf_retrace.cli data generate --target "$target" --prompts /tmp/hf_retrace_prompts.jsonl \
+        --out "$answers/device" --device "${DEVICE:-cuda}" --dtype bf16 --batch-size "${GEN_BATCH:-256}" \
+        --max-new-tokens 256 2>&1 | tee "$out/generate.log" || true
+    # the shard a timeout cut short becomes a complete one (its complete lines; a torn last line is dropped)
+    python3 -c "import sys, pathlib; from hf_retrace.training.data.response_shards import ResponseShardWriter as W
+W(pathlib.Path(sys.argv[1]), 1 << 30).close()" "$answers/device"
+    python3 -m hf_retrace.cli data tokenize --target "$target" --responses "$answers"/* --out "$tok" \
+      --max-length 1024 --exclude-ids "$TRAIN/eval-prompts.jsonl" 2>&1 | tail -n 3 | tee -a "$out/generate.log"
+  fi
   local init=(--init-from "${INIT:-hf_retrace/default_drafter}" --draft-vocab-size "${VOCAB:-8960}")
   if [ "${INIT:-}" = "none" ]; then  # a fresh drafter of LAYERS layers and block BLOCK
     init=(--num-layers "${LAYERS:-2}" --block-size "${BLOCK:-8}" --target-layer-ids 1,8,14,20,27
