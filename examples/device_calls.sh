@@ -210,7 +210,11 @@ print(f\"{m.get('num_sequences', '?')} sequences, {m.get('num_tokens', '?')} tok
   fi
   echo "ready: right after \`second\` (within 30 s, the converted target still on the machine), with TRAIN_MIN the" \
        "minutes of device time left less about 1.5:" >&2
-  echo "  run(command=\"TRAIN_MIN=3 bash examples/device_calls.sh train\", carry=[$carry], timeout_s=330)" >&2
+  if [ -n "${GEN:-}" ]; then
+    echo "  run(command=\"GEN_MIN=2 TRAIN_MIN=2 bash examples/device_calls.sh train\", carry=[$carry], timeout_s=390)" >&2
+  else
+    echo "  run(command=\"TRAIN_MIN=3 bash examples/device_calls.sh train\", carry=[$carry], timeout_s=330)" >&2
+  fi
 }
 
 train() {  # on the device: the drafter trained for TRAIN_MIN minutes on the carried answers; its weights come back
