@@ -234,14 +234,15 @@ train() {  # on the device: the drafter trained for TRAIN_MIN minutes on the car
     }
   fi
   rm -rf "$tok" "$run" && mkdir -p "$tok"
-  tar -xJf "$TRAIN/tok.tar.xz" -C "$tok"
-  if [ "${GEN_MIN:-0}" != 0 ]; then  # answers made here first, then every answer tokenized anew
+  if [ "${GEN_MIN:-0}" = 0 ]; then
+    tar -xJf "$TRAIN/tok.tar.xz" -C "$tok"
+  else  # answers made here first, then every answer tokenized anew
     if [ ! -f "$TRAIN/answers.tar.xz" ]; then
       echo "GEN_MIN needs the raw answers and prompts: GEN=1 bash examples/device_calls.sh prepare-train" >&2
       return 2
     fi
     local answers=/tmp/hf_retrace_answers
-    rm -rf "$answers" "$tok" && mkdir -p "$answers"
+    rm -rf "$answers" && mkdir -p "$answers"
     tar -xJf "$TRAIN/answers.tar.xz" -C "$answers"
     xz -dc "$TRAIN/prompts.jsonl.xz" > /tmp/hf_retrace_prompts.jsonl
     timeout "$(python3 -c "import sys; print(int(float(sys.argv[1]) * 60))" "$GEN_MIN")" \

@@ -29,10 +29,11 @@ class TimeBudget:
         self.start = clock()  # before the starting evaluation: it spends the budget too
         self.eval_seconds = 0.0  # the latest evaluation's
         self.steps = 0  # steps done in this process
-        self._mark: tuple[float, int, float] | None = None  # (time, steps, evaluation seconds) where timing starts
+        self._mark = (self.start, 0, 0.0)  # (time, steps, evaluation seconds) where the timing of steps starts
         self._evals = 0.0  # evaluation seconds inside the loop so far
 
     def loop_started(self, eval_seconds: float) -> None:
+        """After the starting evaluation (``eval_seconds``, 0 without one): the steps are timed from here."""
         self.eval_seconds = eval_seconds or self.eval_seconds
         self._mark = (self.clock(), 0, 0.0)
 
@@ -45,12 +46,12 @@ class TimeBudget:
             self._mark = (self.clock(), self.steps, self._evals)
 
     def fit_ready(self) -> bool:
-        timed = self.steps - (self._mark[1] if self._mark else 0)
+        timed = self.steps - self._mark[1]
         return (self.steps >= BUDGET_SKIP_STEPS and timed >= BUDGET_FIT_STEPS) or (
             self.clock() - self.start >= BUDGET_FIT_SHARE * self.seconds and timed >= 1)
 
     def seconds_per_step(self) -> float:
-        when, steps, evals = self._mark or (self.start, 0, 0.0)
+        when, steps, evals = self._mark
         return max(self.clock() - when - (self._evals - evals), 0.0) / max(self.steps - steps, 1)
 
     def remaining(self) -> float:
