@@ -29,6 +29,8 @@
 #   breadth-scratch   the same shape from scratch, the same steps (RUN=$RUNS/breadth-scratch)
 #   breadth-calibrate DRAFTER=folder: its rounds recorded on the 48 held-out prompts of every kind (--write)
 #   shape-continue    LAYERS BLOCK: issue 36 A/B winner trained on (after breadth-data), RUN=$RUNS/shape-lL-bB-c2
+#   taps              IDS: one arm of issue 36's tapped-layer A/B (docs/drafter-shapes.md), the arms side by side:
+#                     for ids in 1,8,14,20,27 2,15,27 29; do bash examples/train_smollm2_drafter.sh taps $ids & done
 #   breadth-heldout   the target's own answers to those 48 prompts, tokenized into $RUNS/tok-heldout: ReTrace's bound
 #                     on them (examples/kept_suffix_signal.py --data $RUNS/tok-heldout --start 0 --sequences 48)
 # Both evaluate tau on the round-record prompts (every kind) as they train. Run them one after the other with both
@@ -117,16 +119,21 @@ breadth_data() {
   hf-retrace data features --target default --data "$BTOK" --out "$BFEATS" --target-layer-ids 1,8,14,20,27 \
       --dtype auto --storage-dtype bfloat16 --max-batch-tokens 4096 "$@"
 }
-breadth_run() {  # breadth_run RUN_NAME FLAGS...: the settings both runs share
+precision_flags() {  # the training precision of this CPU, as train flags
   # On a CPU without bf16 units the target runs in float32 (its bf16 weights upcast exactly: the objective reads only
   # its embeddings and head, and its tau evaluations run 2-3x faster than in bf16, measured 4 vs 9 s a prompt) and the
   # drafter trains in fp32; on one with bf16 units (hf_retrace/machine.py) the target runs in bf16 and training uses
   # bf16 mixed precision (a step 0.48 vs 0.72 s in fp32 on a Xeon with AMX, one thread each, the same losses).
-  local name=$1 precision=(--target-dtype float32)
-  shift
   if python -c "import sys; from hf_retrace.machine import has_bf16_units; sys.exit(not has_bf16_units())"; then
-    precision=(--target-dtype bfloat16 --bf16)
+    echo "--target-dtype bfloat16 --bf16"
+  else
+    echo "--target-dtype float32"
   fi
+}
+breadth_run() {  # breadth_run RUN_NAME FLAGS...: the settings both runs share
+  local name=$1 precision
+  shift
+  read -ra precision <<< "$(precision_flags)"
   hf-retrace train --stage backbone --target default --data "$BTOK" --features-dir "$BFEATS" --out "$RUNS/$name" \
       --resume --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 --warmup-ratio 0.02 \
       --epochs "${EPOCHS:-2}" --num-threads "${THREADS:-2}" "${precision[@]}" --save-dtype bfloat16 \
@@ -152,11 +159,9 @@ shape_run() {  # shape_run LAYERS BLOCK GAMMA FLAGS...: one arm of the shape A/B
   # DFlash's recipe where a CPU allows it (lr 6e-4, cosine after a 4 % warmup, grad clip 1.0, gamma 4 at block 8 and
   # 7 at block 16, the five evenly spaced tapped layers); 48 anchors a sequence (DFlash: 512), 3 epochs (DFlash: 6).
   # Run the arms side by side, THREADS=1 each, so equal minutes are equal conditions.
-  local layers=$1 block=$2 gamma=$3 precision=(--target-dtype float32)
+  local layers=$1 block=$2 gamma=$3 precision
   shift 3
-  if python -c "import sys; from hf_retrace.machine import has_bf16_units; sys.exit(not has_bf16_units())"; then
-    precision=(--target-dtype bfloat16 --bf16)
-  fi
+  read -ra precision <<< "$(precision_flags)"
   hf-retrace train --stage backbone --target default --data "$STOK" --features-dir "$SFEATS" \
       --out "$RUNS/shape-l$layers-b$block" --resume --num-layers "$layers" --block-size "$block" --gamma "$gamma" \
       --target-layer-ids 1,8,14,20,27 --draft-vocab-size 8960 --num-anchors 48 --batch-size 2 --grad-accum 2 \
@@ -171,16 +176,31 @@ shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner tra
   # INIT=folder starts from another drafter and NAME names the run (stage 3 of the shipped drafter, on 10,861 answers:
   # INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c3 EPOCHS=0.8 ... shape-continue 2 8 --draft-vocab-size 8960;
   # measured, not shipped: docs/drafter-shapes.md)
-  local layers=$1 block=$2 precision=(--target-dtype float32)
+  local layers=$1 block=$2 precision
   shift 2
-  if python -c "import sys; from hf_retrace.machine import has_bf16_units; sys.exit(not has_bf16_units())"; then
-    precision=(--target-dtype bfloat16 --bf16)
-  fi
+  read -ra precision <<< "$(precision_flags)"
   hf-retrace train --stage backbone --target default --data "$BTOK" --features-dir "$BFEATS" \
       --init-from "${INIT:-$RUNS/shape-l$layers-b$block}" --out "$RUNS/${NAME:-shape-l$layers-b$block-c2}" --resume \
       --num-anchors 48 --gamma "${GAMMA:-4}" --batch-size 2 --grad-accum 2 --lr "${LR:-3e-4}" --warmup-ratio 0.02 --max-grad-norm 1.0 \
       --epochs "${EPOCHS:-2}" --seed 1 --num-threads "${THREADS:-2}" "${precision[@]}" --save-dtype bfloat16 \
       --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-500}" --eval-limit 8 \
+      --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
+}
+tap_run() {  # tap_run IDS FLAGS...: one arm of the tapped-layer A/B (issue 36, item 1), RUN=$RUNS/taps/l1-b8-IDS
+  # shape_run's recipe (1 layer, block 8, from scratch, seed 0: every arm sees the same sequences in the same order)
+  # on the first TAP_SEQUENCES (2,000) breadth sequences for TAP_STEPS (700) steps; every arm reads its layers out of
+  # one store of the union of the arms' layers (TAP_UNION), so the data's forward runs once for all of them
+  local ids=$1 precision
+  shift
+  read -ra precision <<< "$(precision_flags)"
+  hf-retrace data features --target default --data "$BTOK" --out "$RUNS/taps/feats" --limit "${TAP_SEQUENCES:-2000}" \
+      --target-layer-ids "${TAP_UNION:-1,2,8,14,15,20,27,29}"
+  hf-retrace train --stage backbone --target default --data "$BTOK" --features-dir "$RUNS/taps/feats" \
+      --max-sequences "${TAP_SEQUENCES:-2000}" --out "$RUNS/taps/l1-b8-${ids//,/-}" --resume --num-layers 1 \
+      --block-size 8 --gamma 4 --target-layer-ids "$ids" --draft-vocab-size 8960 --num-anchors 48 --batch-size 2 \
+      --grad-accum 2 --lr "${LR:-6e-4}" --warmup-ratio 0.04 --max-grad-norm 1.0 --epochs 10 \
+      --max-steps "${TAP_STEPS:-700}" --seed 0 --num-threads "${THREADS:-1}" "${precision[@]}" --save-dtype bfloat16 \
+      --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-350}" --eval-limit 8 \
       --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
 }
 case "$STEP" in
@@ -197,6 +217,7 @@ case "$STEP" in
   shared-data) shared_data "$@" ;;
   shape) shape_run "$@" ;;
   shape-continue) shape_continue "$@" ;;
+  taps) tap_run "$@" ;;
   tokenize) tokenize ;;
   features) features "$@" ;;
   backbone) backbone "$@" ;;

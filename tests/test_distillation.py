@@ -258,6 +258,24 @@ def test_data_that_grew_keeps_its_features_and_training_computes_the_rest(tiny_r
     assert not (tmp_path / "other").exists()
 
 
+def test_one_features_folder_trains_drafters_that_tap_some_of_its_layers(tiny_run, tmp_path):
+    """`train --features-dir` reads the drafter's layers out of a store that taps more (one pass over the data for a
+    tapped-layer A/B); a store that lacks one of them is refused, naming both lists."""
+    root = tiny_run
+    assert main(["data", "features", "--target", str(root / "target"), "--data", str(root / "tok"), "--out",
+                 str(tmp_path / "feats"), "--target-layer-ids", "0,1", "--dtype", "float32"]) == 0
+    argv = _train_argv(root, tmp_path / "run", "--features-dir", str(tmp_path / "feats"))
+    argv[argv.index("--target-layer-ids") + 1] = "1"
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["target_layer_ids"] == [1]
+    assert PrecomputedFeatures(tmp_path / "feats").manifest["target_layer_ids"] == [0, 1]  # the store unchanged
+
+    assert main(["data", "features", "--target", str(root / "target"), "--data", str(root / "tok"), "--out",
+                 str(tmp_path / "one"), "--target-layer-ids", "1", "--dtype", "float32"]) == 0
+    with pytest.raises(SystemExit, match=r"--features-dir holds target layers \[1\] but the drafter reads \[0, 1\]"):
+        main(_train_argv(root, tmp_path / "refused", "--features-dir", str(tmp_path / "one")))
+
+
 def test_a_fine_tuned_drafter_takes_the_draft_vocabulary_of_its_new_data(tiny_run, tmp_path):
     """--draft-vocab-size with --init-from re-selects the vocabulary from --data (the head rows are the target's,
     frozen: nothing learned is lost); without it the drafter keeps its own."""

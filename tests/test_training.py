@@ -241,6 +241,23 @@ def test_bf16_features_are_stored_bit_exact(counting_target, tmp_path):
         assert torch.equal(stored[i], tapped_hidden_states(target, ids, None, [0, 1])[0])
 
 
+def test_a_store_of_more_layers_gives_a_drafters_layers_bit_exact(tmp_path):
+    """One features pass serves drafters that tap different layers: ``layers`` reads them, in the drafter's order,
+    exactly as a store made for those layers alone holds them."""
+    target = tiny_llama(seed=3, layers=3).to(torch.bfloat16).eval()
+    data = _dataset(4)
+    precompute_features(target, data, tmp_path / "f", [0, 1, 2], max_batch_tokens=1, progress=False)
+    for layers in ([2, 0], [1], [0, 1, 2], [1, 1]):
+        stored = PrecomputedFeatures(tmp_path / "f", layers=layers)
+        assert stored.target_layer_ids == layers
+        for i in range(4):
+            ids = data[i]["input_ids"][None]
+            assert torch.equal(stored[i], tapped_hidden_states(target, ids, None, layers)[0])
+    with pytest.raises(ValueError, match=r"holds target layers \[0, 1, 2\], so it cannot give layers \[3, 0\] "
+                                         r"\(\[3\]\).*--target-layer-ids"):
+        PrecomputedFeatures(tmp_path / "f", layers=[3, 0])
+
+
 # --------------------------------------------------------------------------------------------------------------
 # The loop: resume, end to end
 # --------------------------------------------------------------------------------------------------------------

@@ -338,9 +338,14 @@ class PrecomputedFeatures:
     sequences covered from the first one on are available, ``len()`` says how many. ``kind`` is the store expected:
     ``"hidden"`` (:func:`precompute_features`) or ``"topk"`` (:func:`precompute_topk`; ``features[i]`` is
     ``[T_i, 2k]``).
+
+    ``layers`` reads some of a hidden store's tapped layers, in the order given (a drafter's ``target_layer_ids``),
+    so one pass over the data serves drafters that tap different layers: ``features[i]`` is then
+    ``[T_i, len(layers)*H]``, exactly what a store made for those layers alone would hold.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], allow_partial: bool = False, kind: str = "hidden"):
+    def __init__(self, directory: str | os.PathLike[str], allow_partial: bool = False, kind: str = "hidden",
+                 layers: Sequence[int] | None = None):
         self.directory = Path(directory)
         manifest = features_manifest(self.directory)
         maker = f"`{STORE_MAKERS[kind]}`"
@@ -354,6 +359,7 @@ class PrecomputedFeatures:
         self.manifest = manifest
         self._covered = covered_sequences(manifest) if not manifest.get("complete") else manifest["num_sequences"]
         self.target_layer_ids = list(manifest["target_layer_ids"])
+        self._column_slices = self._select_layers(layers) if layers is not None else None
         np_dtype, self.torch_dtype = _STORAGE[manifest["dtype"]]
         size = manifest["feature_size"]
         self._shards = []
@@ -365,6 +371,22 @@ class PrecomputedFeatures:
             self._shards.append((shard["start"], shard["end"], offsets, array))
         self._starts = np.array([s[0] for s in self._shards], dtype=np.int64)
 
+    def _select_layers(self, layers: Sequence[int]) -> list[slice] | None:
+        """The column slices of ``layers`` in this store (None: the store holds exactly those, in that order)."""
+        stored, layers = self.target_layer_ids, list(layers)
+        if store_kind(self.manifest) != "hidden":
+            raise ValueError(f"{self.directory} holds top-k distributions, which have no layers to select.")
+        missing = [i for i in layers if i not in stored]
+        if missing or not layers:
+            raise ValueError(f"{self.directory} holds target layers {stored}, so it cannot give layers {layers} "
+                             f"({missing or 'none asked'}): compute a store that taps them "
+                             f"(`{STORE_MAKERS['hidden']} --target-layer-ids ...`).")
+        self.target_layer_ids = layers
+        if layers == stored:
+            return None
+        hidden = int(self.manifest["hidden_size"])
+        return [slice(stored.index(i) * hidden, (stored.index(i) + 1) * hidden) for i in layers]
+
     def __len__(self) -> int:
         return int(self._covered)
 
@@ -374,7 +396,11 @@ class PrecomputedFeatures:
         k = int(np.searchsorted(self._starts, index, side="right")) - 1
         start, _, offsets, array = self._shards[k]
         row = index - start
-        data = np.array(array[offsets[row] : offsets[row + 1]])
+        rows = array[offsets[row] : offsets[row + 1]]
+        if self._column_slices is None:
+            data = np.array(rows)
+        else:
+            data = np.concatenate([rows[:, columns] for columns in self._column_slices], axis=1)
         tensor = torch.from_numpy(data)
         if self.torch_dtype is torch.bfloat16:
             tensor = tensor.view(torch.bfloat16)

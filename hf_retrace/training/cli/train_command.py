@@ -166,15 +166,17 @@ def _feature_source(args: argparse.Namespace, target: Any, drafter: ReTraceDraft
         return None, None, f"online, in the objective (verification: {args.verification})"
     if not args.features_dir:
         return None, OnlineFeatures(target, drafter.config.target_layer_ids), "online"
-    layer_ids = drafter.config.target_layer_ids
+    layer_ids = list(drafter.config.target_layer_ids)
     fm = features_manifest(args.features_dir)
-    if fm is not None and fm.get("target_layer_ids") != layer_ids:
-        raise usage_error(f"--features-dir holds target layers {fm.get('target_layer_ids')} but the drafter reads "
-                          f"{layer_ids}; use a new folder.")
+    stored = list(fm.get("target_layer_ids", [])) if fm is not None else layer_ids
+    if not set(layer_ids) <= set(stored):
+        raise usage_error(f"--features-dir holds target layers {stored} but the drafter reads {layer_ids}; use a new "
+                          f"folder, or one whose layers include the drafter's.")
     if fm is None or covered_sequences(fm) < num:  # none yet, stopped short, or made before the data grew
-        precompute_features(target, sequences, args.features_dir, layer_ids, progress=not args.no_progress)
-    features = PrecomputedFeatures(args.features_dir, allow_partial=True)
-    return features, None, f"precomputed ({args.features_dir}, {len(features)} sequences covered)"
+        precompute_features(target, sequences, args.features_dir, stored, progress=not args.no_progress)
+    features = PrecomputedFeatures(args.features_dir, allow_partial=True, layers=layer_ids)
+    chosen = f", layers {layer_ids} of {stored}" if stored != layer_ids else ""
+    return features, None, f"precomputed ({args.features_dir}{chosen}, {len(features)} sequences covered)"
 
 
 def _eval_prompt_ids(args: argparse.Namespace, tokenizer: Any, dataset: TokenizedDataset,
