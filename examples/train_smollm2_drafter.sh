@@ -186,7 +186,7 @@ shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner tra
       --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-500}" --eval-limit 8 \
       --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
 }
-tap_run() {  # tap_run IDS FLAGS...: one arm of the tapped-layer A/B (issue 36, item 1), RUN=$RUNS/taps/l1-b8-IDS
+tap_run() {  # tap_run IDS FLAGS...: one arm of the tapped-layer A/B (issue 36, item 1), RUN=$RUNS/taps/l1-b8-IDS-sSTEPS
   # shape_run's recipe (1 layer, block 8, from scratch, seed 0: every arm sees the same sequences in the same order)
   # on the first TAP_SEQUENCES (2,000) breadth sequences for TAP_STEPS (700) steps; every arm reads its layers out of
   # one store of the union of the arms' layers (TAP_UNION), so the data's forward runs once for all of them
@@ -196,9 +196,9 @@ tap_run() {  # tap_run IDS FLAGS...: one arm of the tapped-layer A/B (issue 36, 
   hf-retrace data features --target default --data "$BTOK" --out "$RUNS/taps/feats" --limit "${TAP_SEQUENCES:-2000}" \
       --target-layer-ids "${TAP_UNION:-1,2,8,14,15,20,27,29}"
   hf-retrace train --stage backbone --target default --data "$BTOK" --features-dir "$RUNS/taps/feats" \
-      --max-sequences "${TAP_SEQUENCES:-2000}" --out "$RUNS/taps/l1-b8-${ids//,/-}" --resume --num-layers 1 \
-      --block-size 8 --gamma 4 --target-layer-ids "$ids" --draft-vocab-size 8960 --num-anchors 48 --batch-size 2 \
-      --grad-accum 2 --lr "${LR:-6e-4}" --warmup-ratio 0.04 --max-grad-norm 1.0 --epochs 10 \
+      --max-sequences "${TAP_SEQUENCES:-2000}" --out "$RUNS/taps/l1-b8-${ids//,/-}-s${TAP_STEPS:-700}" --resume \
+      --num-layers 1 --block-size 8 --gamma 4 --target-layer-ids "$ids" --draft-vocab-size 8960 --num-anchors 48 \
+      --batch-size 2 --grad-accum 2 --lr "${LR:-6e-4}" --warmup-ratio 0.04 --max-grad-norm 1.0 --epochs 10 \
       --max-steps "${TAP_STEPS:-700}" --seed 0 --num-threads "${THREADS:-1}" "${precision[@]}" --save-dtype bfloat16 \
       --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-350}" --eval-limit 8 \
       --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
