@@ -67,6 +67,8 @@ def test_the_store_holds_the_targets_top_k_of_every_position(target, tmp_path):
     precompute_features(target, data, tmp_path / "feats", [0, 1], progress=False)
     with pytest.raises(ValueError, match="holds 'hidden' data, not 'topk'"):
         PrecomputedFeatures(tmp_path / "feats", kind="topk")
+    with pytest.raises(ValueError, match="holds top-k distributions, which have no layers to select"):
+        PrecomputedFeatures(tmp_path / "topk", kind="topk", layers=[0])
     with pytest.raises(ValueError, match=r"other settings \(\['feature_size'\] differ\)"):
         precompute_topk(target, data, tmp_path / "topk", k=4, shard_sequences=3, progress=False)
 

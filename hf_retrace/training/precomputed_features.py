@@ -359,7 +359,10 @@ class PrecomputedFeatures:
         self.manifest = manifest
         self._covered = covered_sequences(manifest) if not manifest.get("complete") else manifest["num_sequences"]
         self.target_layer_ids = list(manifest["target_layer_ids"])
-        self._column_slices = self._select_layers(layers) if layers is not None else None
+        self._column_slices = None  # None: each row as stored
+        if layers is not None:
+            self._column_slices = self._layer_columns(list(layers))
+            self.target_layer_ids = list(layers)
         np_dtype, self.torch_dtype = _STORAGE[manifest["dtype"]]
         size = manifest["feature_size"]
         self._shards = []
@@ -371,9 +374,9 @@ class PrecomputedFeatures:
             self._shards.append((shard["start"], shard["end"], offsets, array))
         self._starts = np.array([s[0] for s in self._shards], dtype=np.int64)
 
-    def _select_layers(self, layers: Sequence[int]) -> list[slice] | None:
+    def _layer_columns(self, layers: list[int]) -> list[slice] | None:
         """The column slices of ``layers`` in this store (None: the store holds exactly those, in that order)."""
-        stored, layers = self.target_layer_ids, list(layers)
+        stored = self.target_layer_ids
         if store_kind(self.manifest) != "hidden":
             raise ValueError(f"{self.directory} holds top-k distributions, which have no layers to select.")
         missing = [i for i in layers if i not in stored]
@@ -381,7 +384,6 @@ class PrecomputedFeatures:
             raise ValueError(f"{self.directory} holds target layers {stored}, so it cannot give layers {layers} "
                              f"({missing or 'none asked'}): compute a store that taps them "
                              f"(`{STORE_MAKERS['hidden']} --target-layer-ids ...`).")
-        self.target_layer_ids = layers
         if layers == stored:
             return None
         hidden = int(self.manifest["hidden_size"])
