@@ -255,9 +255,12 @@ W(pathlib.Path(sys.argv[1]), 1 << 30).close()" "$answers/device"
     python3 -m hf_retrace.cli data tokenize --target "$target" --responses "$answers"/* --out "$tok" \
       --max-length 1024 --exclude-ids "$TRAIN/eval-prompts.jsonl" 2>&1 | tail -n 3 | tee -a "$out/generate.log"
   fi
+  # TAPS: the target layers read; a continued drafter keeps its own unless TAPS adds some (zero input columns)
   local init=(--init-from "${INIT:-hf_retrace/default_drafter}" --draft-vocab-size "${VOCAB:-8960}")
-  if [ "${INIT:-}" = "none" ]; then  # a fresh drafter of LAYERS layers and block BLOCK
-    init=(--num-layers "${LAYERS:-2}" --block-size "${BLOCK:-8}" --target-layer-ids 1,8,14,20,27
+  [ -n "${TAPS:-}" ] && init+=(--target-layer-ids "$TAPS")
+  if [ "${INIT:-}" = "none" ]; then  # a fresh drafter of LAYERS layers and block BLOCK, reading the eight layers that
+    # beat DFlash's five from scratch on the same answers (docs/drafter-shapes.md, "Tapped layers")
+    init=(--num-layers "${LAYERS:-2}" --block-size "${BLOCK:-8}" --target-layer-ids "${TAPS:-1,2,8,14,15,20,27,29}"
           --draft-vocab-size "${VOCAB:-8960}")
   fi
   set -o pipefail

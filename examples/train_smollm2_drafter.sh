@@ -31,6 +31,8 @@
 #   shape-continue    LAYERS BLOCK: issue 36 A/B winner trained on (after breadth-data), RUN=$RUNS/shape-lL-bB-c2
 #   taps              IDS: one arm of issue 36's tapped-layer A/B (docs/drafter-shapes.md), the arms side by side:
 #                     for ids in 1,8,14,20,27 2,15,27 29; do bash examples/train_smollm2_drafter.sh taps $ids & done
+#   taps-continue     IDS: the shipped drafter continued on answers it never saw (fresh-tokens: rounds FRESH_FROM
+#                     on), reading IDS (its five layers, or more through zero input columns)
 #   breadth-heldout   the target's own answers to those 48 prompts, tokenized into $RUNS/tok-heldout: ReTrace's bound
 #                     on them (examples/kept_suffix_signal.py --data $RUNS/tok-heldout --start 0 --sequences 48)
 # Both evaluate tau on the round-record prompts (every kind) as they train. Run them one after the other with both
@@ -203,6 +205,36 @@ tap_run() {  # tap_run IDS FLAGS...: one arm of the tapped-layer A/B (issue 36, 
       --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-350}" --eval-limit 8 \
       --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
 }
+fresh_tokens() {  # the answers of make_drafter_data.sh's rounds FRESH_FROM (5) on: ones the shipped drafter never saw
+  # (its stage 2 took rounds 0-4 of the same prompt order); complete files only, tokenized into $RUNS/tok-fresh
+  local files=() f n
+  for f in "$DATA"/responses/responses-*.jsonl "$DATA"/responses-w*/responses-*.jsonl; do
+    n=$(basename "$f" .jsonl)
+    n=$((10#${n#responses-}))
+    [ "$n" -ge "${FRESH_FROM:-5}" ] && files+=("$f")
+  done
+  hf-retrace data tokenize --target default --responses "${files[@]}" --out "$RUNS/tok-fresh" --max-length 1024 \
+      --exclude-ids "$DATA/round-record-prompts.jsonl"
+}
+tap_continue() {  # tap_continue IDS FLAGS...: the shipped drafter continued on fresh answers reading target layers IDS
+  # (its own five, or more: the new ones start with zero input columns), RUN=$RUNS/taps-continue/l2-b8-IDS: whether a
+  # continued drafter gains from more of the target's depth (issue 36, docs/drafter-shapes.md); the arms side by side:
+  # for ids in 1,8,14,20,27 1,2,8,14,15,20,27,29; do bash examples/train_smollm2_drafter.sh taps-continue $ids & done
+  local ids=$1 precision
+  shift
+  read -ra precision <<< "$(precision_flags)"
+  [ -f "$RUNS/tok-fresh/manifest.json" ] || fresh_tokens
+  hf-retrace data features --target default --data "$RUNS/tok-fresh" --out "$RUNS/taps-continue/feats" \
+      --limit "${TAP_SEQUENCES:-2000}" --target-layer-ids "${TAP_UNION:-1,2,8,14,15,20,27,29}" --storage-dtype bfloat16
+  hf-retrace train --stage backbone --target default --data "$RUNS/tok-fresh" \
+      --features-dir "$RUNS/taps-continue/feats" --max-sequences "${TAP_SEQUENCES:-2000}" \
+      --init-from "${INIT:-hf_retrace/default_drafter}" --target-layer-ids "$ids" \
+      --out "$RUNS/taps-continue/l2-b8-${ids//,/-}" --resume --num-anchors 48 --gamma 4 --batch-size 2 --grad-accum 2 \
+      --lr "${LR:-3e-4}" --warmup-ratio 0.02 --max-grad-norm 1.0 --epochs "${EPOCHS:-2}" --seed 1 \
+      --num-threads "${THREADS:-1}" "${precision[@]}" --save-dtype bfloat16 \
+      --eval-prompts "$DATA/round-record-prompts.jsonl" --eval-every "${EVAL_EVERY:-250}" --eval-limit 8 \
+      --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
+}
 case "$STEP" in
   breadth-data) breadth_data "$@" ;;
   breadth-tokens) breadth_tokens ;;
@@ -218,6 +250,8 @@ case "$STEP" in
   shape) shape_run "$@" ;;
   shape-continue) shape_continue "$@" ;;
   taps) tap_run "$@" ;;
+  fresh-tokens) fresh_tokens ;;
+  taps-continue) tap_continue "$@" ;;
   tokenize) tokenize ;;
   features) features "$@" ;;
   backbone) backbone "$@" ;;
@@ -227,5 +261,6 @@ case "$STEP" in
   retrace) retrace "$@" ;;
   all) tokenize; features --limit "$SEQUENCES"; backbone "$@"; export_run; calibrate ;;
   *) echo "unknown step $STEP (tokenize | features | backbone | continue | export | calibrate | all | retrace |" \
-          "breadth-data | breadth-continue | breadth-scratch | breadth-calibrate | breadth-heldout | shared-data | shape)" >&2; exit 2 ;;
+          "breadth-data | breadth-continue | breadth-scratch | breadth-calibrate | breadth-heldout | shared-data | shape |" \
+          "shape-continue | taps | fresh-tokens | taps-continue)" >&2; exit 2 ;;
 esac

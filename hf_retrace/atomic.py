@@ -9,6 +9,7 @@ Example::
     with atomic_folder(out / "step-100") as temporary:
         model.save_pretrained(temporary)    # renamed to step-100 (replacing an older one) when the block ends
     temporary_folders(out / "step-100")     # what a killed writer left: out/.step-100.tmp-*
+    stale_temporaries(out / "ids.json")     # the temporary files of writers of ids.json no longer running here
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_folder", "atomic_path", "temporary_folders", "write_text_atomically"]
+__all__ = ["atomic_folder", "atomic_path", "stale_temporaries", "temporary_folders", "write_text_atomically"]
 
 
 def _writer_tag() -> str:
     """Unique per process and thread: concurrent writers never share a temporary name."""
     return f"{os.getpid()}-{threading.get_ident()}"
+
+
+def _temporary_file(path: Path, tag: str) -> Path:
+    return path.with_name(f".{path.name}.{tag}.tmp{path.suffix}")
 
 
 @contextmanager
@@ -36,7 +41,7 @@ def atomic_path(path: str | os.PathLike[str]) -> Iterator[Path]:
     The name is unique per process and thread (concurrent writers never share one) and keeps ``path``'s suffix
     (``np.save`` adds ``.npy`` to a name without it)."""
     path = Path(path)
-    temporary = path.with_name(f".{path.name}.{_writer_tag()}.tmp{path.suffix}")
+    temporary = _temporary_file(path, _writer_tag())
     try:
         yield temporary
         os.replace(temporary, path)
@@ -99,3 +104,27 @@ def temporary_folders(path: str | os.PathLike[str]) -> list[Path]:
     one's (call it where writers of ``path`` are serialised, e.g. under their lock, before removing what it finds)."""
     path = Path(path)
     return sorted(path.parent.glob(glob.escape(_folder_prefix(path)) + "*"))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """The temporary files :func:`atomic_path` made for ``path`` whose writing process no longer runs on this machine:
+    what a killed writer left (a kill skips the block's clean-up), safe to remove. A live writer's are never listed,
+    so writers of one file need not take turns to call it."""
+    path = Path(path)
+    head, tail = _temporary_file(path, "*").name.split("*")
+    stale = []
+    for temporary in path.parent.glob(glob.escape(head) + "*" + glob.escape(tail)):
+        pid = temporary.name[len(head) : -len(tail)].split("-")[0]
+        if pid.isdigit() and not _running(int(pid)):
+            stale.append(temporary)
+    return sorted(stale)

@@ -9,6 +9,7 @@ no embedding table and no LM head: the target's are borrowed at run time and nev
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -280,6 +281,31 @@ class ReTraceDrafter(PreTrainedModel):
         elif hasattr(self, "draft_vocab"):
             del self.draft_vocab
         self.register_buffer("draft_vocab", token_ids.to(self.device))
+
+    def set_target_layers(self, layer_ids: Sequence[int]) -> None:
+        """Read the target's layers ``layer_ids`` (every layer it reads now among them, in any order): the input
+        projection keeps its columns of each layer it read and gains zero columns for the new ones, so the drafter
+        computes what it did (up to the order a matmul sums in) until training moves them: a trained drafter given
+        more of the target's depth without starting over."""
+        old, new = [int(i) for i in self.config.target_layer_ids], [int(i) for i in layer_ids]
+        missing = [i for i in old if i not in new]
+        if missing or not new or len(set(new)) != len(new):
+            raise ValueError(
+                f"The drafter reads target layers {old}; it can be given {new} only if every layer it reads is among "
+                f"them, each once (missing: {missing}). Pass a list that keeps {old} and adds the new layers; to read "
+                "fewer layers, train a drafter from scratch.")
+        if self.retrace is not None:
+            raise ValueError("Give a drafter new target layers before its ReTrace module is added (add_retrace): the "
+                             "module is trained on the backbone as it is.")
+        h, weight = self.config.hidden_size, self.fc.weight.detach()
+        grown = weight.new_zeros(h, len(new) * h)
+        for k, layer in enumerate(old):  # a layer read twice before adds its two column blocks: the same function
+            j = new.index(layer)
+            grown[:, j * h : (j + 1) * h] += weight[:, k * h : (k + 1) * h]
+        self.fc = nn.Linear(len(new) * h, h, bias=False, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.fc.weight.copy_(grown)
+        self.config.target_layer_ids = new
 
     def mask_vector(self, input_embeddings: nn.Module) -> torch.Tensor:
         """The MASK embedding: the drafter's own learned vector, or the target's row ``mask_token_id``."""

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
 from hf_retrace import defaults
-from hf_retrace.atomic import atomic_folder, temporary_folders
+from hf_retrace.atomic import atomic_folder, atomic_path, stale_temporaries, temporary_folders
 
 
 def _contents(folder: Path) -> dict[str, str]:
@@ -164,6 +166,28 @@ def test_temporary_folders_are_the_named_folders_leftovers_only(tmp_path):
     for name in (".model[1].tmp-killed", ".model[1].tmp-old-12-34", *others):
         (tmp_path / name).mkdir()
     assert [p.name for p in temporary_folders(path)] == [".model[1].tmp-killed", ".model[1].tmp-old-12-34"]
+
+
+def killed_writer(path: Path) -> None:
+    """A process killed (SIGKILL: no clean-up runs) while it writes ``path`` through atomic_path."""
+    code = ("import os, signal, sys; from hf_retrace.atomic import atomic_path\n"
+            "with atomic_path(sys.argv[1]) as tmp:\n"
+            "    tmp.write_bytes(b'half a shard')\n"
+            "    os.kill(os.getpid(), signal.SIGKILL)\n")
+    assert subprocess.run([sys.executable, "-c", code, str(path)]).returncode == -9
+
+
+def test_stale_temporaries_are_a_killed_writers_files_never_a_live_ones(tmp_path):
+    path = tmp_path / "features[0].bin"  # glob characters in the name are taken literally
+    killed_writer(path)
+    (tmp_path / ".features[0].bin.123abc.tmp.bin").write_bytes(b"not a writer's name")
+    (tmp_path / ".features0.bin.1-1.tmp.bin").write_bytes(b"another file's")
+    left = [p for p in tmp_path.iterdir() if p.name.startswith(".features[0].bin.") and "abc" not in p.name]
+    assert len(left) == 1 and not path.exists()
+    with atomic_path(path) as live:  # this process writes it too: running, so never listed
+        live.write_bytes(b"being written")
+        assert stale_temporaries(path) == left
+    assert path.read_bytes() == b"being written" and stale_temporaries(path) == left
 
 
 # --------------------------------------------------------------------------------------------------------------

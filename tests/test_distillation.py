@@ -277,6 +277,22 @@ def test_one_features_folder_trains_drafters_that_tap_some_of_its_layers(tiny_ru
     with pytest.raises(SystemExit, match=r"--features-dir holds target layers \[1\] but the drafter reads \[0, 1\]"):
         main(_train_argv(root, tmp_path / "refused", "--features-dir", str(tmp_path / "one")))
 
+    # the trained one-layer drafter given the store's other layer too: zero input columns for it, trained from there
+    grown = _train_argv(root, tmp_path / "grown", "--features-dir", str(tmp_path / "feats"), "--init-from",
+                        str(tmp_path / "run"))
+    grown[grown.index("--target-layer-ids") + 1] = "0,1"
+    assert main(grown) == 0
+    assert json.loads((tmp_path / "grown" / "config.json").read_text())["target_layer_ids"] == [0, 1]
+    assert "target layers [1] -> [0, 1] (zero input columns for the new ones)" in (
+        tmp_path / "grown" / "README.md").read_text()
+    trained = ReTraceDrafter.from_pretrained(tmp_path / "grown", dtype=torch.float32).fc.weight
+    assert trained.shape[1] == 2 * trained.shape[0] and trained[:, : trained.shape[0]].abs().sum() > 0  # it learned
+    grown[grown.index("--target-layer-ids") + 1] = "0"  # drops the layer it reads: refused, nothing written
+    grown[grown.index("--out") + 1] = str(tmp_path / "dropped")
+    with pytest.raises(SystemExit, match=r"--target-layer-ids 0: The drafter reads target layers \[1\].*missing: \[1\]"):
+        main(grown)
+    assert not (tmp_path / "dropped" / "config.json").exists()
+
 
 def test_a_fine_tuned_drafter_takes_the_draft_vocabulary_of_its_new_data(tiny_run, tmp_path):
     """--draft-vocab-size with --init-from re-selects the vocabulary from --data (the head rows are the target's,

@@ -7,6 +7,7 @@ counting pattern (token t+1 = token t + 1 mod 40), so its greedy continuation is
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 
 import numpy as np
@@ -256,6 +257,58 @@ def test_a_store_of_more_layers_gives_a_drafters_layers_bit_exact(tmp_path):
     with pytest.raises(ValueError, match=r"holds target layers \[0, 1, 2\], so it cannot give layers \[3, 0\] "
                                          r"\(\[3\]\).*--target-layer-ids"):
         PrecomputedFeatures(tmp_path / "f", layers=[3, 0])
+
+
+def test_a_features_pass_removes_the_half_shard_a_killed_pass_left(tmp_path):
+    """A kill (each session's end) skips the clean-up of the shard being written, a file as large as the shard: the
+    next pass over the store removes it, and writes the shard whole."""
+    from test_atomic import killed_writer
+
+    target = tiny_llama(seed=3, layers=3).eval()
+    (tmp_path / "f").mkdir()
+    killed_writer(tmp_path / "f" / "features-00000.bin")
+    assert len(list((tmp_path / "f").glob(".features-00000.bin.*.tmp.bin"))) == 1
+    precompute_features(target, _dataset(4), tmp_path / "f", [0, 2], progress=False)
+    assert sorted(p.name for p in (tmp_path / "f").iterdir()) == ["features-00000.bin", "features.json"]
+    assert len(PrecomputedFeatures(tmp_path / "f")) == 4
+
+
+def test_a_trained_drafter_given_more_target_layers_drafts_what_it_did(tmp_path):
+    """set_target_layers: the input projection keeps each old layer's columns (moved to that layer's new place) and
+    gains zero columns for the new layers, so the drafter's blocks are unchanged, in a forward and in real generate;
+    layers it reads must stay, a ReTrace module refuses, and the grown drafter saves and loads as any other."""
+    target = tiny_target(vocab_size=12, num_layers=4, seed=2, logit_scale=4.0)  # few tokens: some drafts accepted
+    drafter = tiny_drafter(target, target_layer_ids=[2, 0], seed=3)
+    with torch.no_grad():
+        drafter.fc.weight.normal_(0, 0.3)  # every column of the old layers counts
+    grown = copy.deepcopy(drafter)
+    grown.set_target_layers([1, 0, 3, 2])
+    assert grown.config.target_layer_ids == [1, 0, 3, 2] and grown.fc.in_features == 4 * target.config.hidden_size
+    ids = torch.randint(0, 11, (1, 12), generator=torch.Generator().manual_seed(0))
+    block = target.get_input_embeddings()(ids[:, :6])
+    positions = torch.arange(12)[None]
+    before = drafter(target_hidden=tapped_hidden_states(target, ids[:, :6], None, [2, 0]), noise_embedding=block,
+                     position_ids=positions)
+    after = grown(target_hidden=tapped_hidden_states(target, ids[:, :6], None, [1, 0, 3, 2]), noise_embedding=block,
+                  position_ids=positions)
+    torch.testing.assert_close(after, before, rtol=1e-12, atol=1e-12)
+    confidences = {}  # the drafter's top probability at every drafted slot of every round of a real generate
+    for name, model in (("before", drafter), ("after", grown)):
+        view = model.with_policy(confidence_cut=1e-9)  # the adaptive block records them, cuts nothing
+        target.generate(ids, assistant_model=view, max_new_tokens=24, do_sample=False)
+        confidences[name] = view.last_stats.slot_confidences
+    assert [len(row) for row in confidences["after"]] == [len(row) for row in confidences["before"]]
+    assert sum(len(row) == 5 for row in confidences["before"]) > 3  # whole blocks (the last ones end the call)
+    torch.testing.assert_close(torch.tensor(sum(confidences["after"], [])),
+                               torch.tensor(sum(confidences["before"], [])), rtol=1e-9, atol=1e-12)
+    grown.save_pretrained(tmp_path / "grown")
+    loaded = ReTraceDrafter.from_pretrained(tmp_path / "grown", dtype=torch.float64)
+    assert loaded.config.target_layer_ids == [1, 0, 3, 2] and torch.equal(loaded.fc.weight, grown.fc.weight)
+    for layers, missing in (([1, 0, 3], r"\[2\]"), ([2, 0, 0], r"\[\]")):
+        with pytest.raises(ValueError, match=rf"reads target layers \[2, 0\].*each once \(missing: {missing}\)"):
+            copy.deepcopy(drafter).set_target_layers(layers)
+    with pytest.raises(ValueError, match="before its ReTrace module is added"):
+        tiny_drafter(target, retrace="random").set_target_layers([0, 1, 2])
 
 
 # --------------------------------------------------------------------------------------------------------------

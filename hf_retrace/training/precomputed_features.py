@@ -31,7 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..atomic import atomic_path, write_text_atomically
+from ..atomic import atomic_path, stale_temporaries, write_text_atomically
 from .features import collate_sequences, tapped_hidden_states
 
 __all__ = [
@@ -175,6 +175,8 @@ def _write_feature_shard(compute: Compute, device: torch.device, feature_size: i
     """Write ``compute`` of sequences ``start ..`` to ``path`` (through a temporary file); return the offsets."""
     np_dtype, _ = _STORAGE[_dtype_name(storage_dtype)]
     offsets = np.concatenate([[0], np.cumsum(shard_lengths)]).astype(np.int64)
+    for stale in stale_temporaries(path):  # a killed writer's half shard (as large as the shard): never read, removed
+        stale.unlink(missing_ok=True)
     with atomic_path(path) as tmp:
         array = np.memmap(tmp, dtype=np_dtype, mode="w+", shape=(int(offsets[-1]), feature_size))
         for rows in _length_batches(shard_lengths, max_batch_tokens):

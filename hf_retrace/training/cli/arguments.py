@@ -56,7 +56,9 @@ def _add_drafter_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-layers", type=int, default=3, help="drafter decoder layers")
     p.add_argument("--num-target-features", type=int, default=5, help="how many target layers to tap")
-    p.add_argument("--target-layer-ids", default=None, help="explicit tapped layers, e.g. 1,8,14,20,27")
+    p.add_argument("--target-layer-ids", default=None, help="explicit tapped layers, e.g. 1,8,14,20,27; with --init-from, "
+                   "the drafter's own layers and more: the new ones start with zero input columns (its function "
+                   "unchanged until trained)")
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="a spare row of the target's embeddings for MASK (default: a learned mask vector)")
     p.add_argument("--init-from", type=drafter_arg, default=None,

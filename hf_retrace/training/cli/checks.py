@@ -283,9 +283,9 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _check_drafter_flags(args: argparse.Namespace) -> None:
-    if args.init_from and (args.copy_target_layers or args.mask_token_id is not None or args.target_layer_ids):
-        raise usage_error("--init-from takes the drafter's shape from its checkpoint; drop --copy-target-layers, "
-                          "--mask-token-id and --target-layer-ids.")
+    if args.init_from and (args.copy_target_layers or args.mask_token_id is not None):
+        raise usage_error("--init-from takes the drafter's shape from its checkpoint; drop --copy-target-layers and "
+                          "--mask-token-id (--target-layer-ids may add target layers to the ones it reads).")
     parse_ids(args.target_layer_ids)
     if args.copy_target_layers not in (None, "last"):
         parse_ids(args.copy_target_layers)

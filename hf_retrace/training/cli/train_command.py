@@ -117,6 +117,14 @@ def _build_drafter(args: argparse.Namespace, target: Any) -> tuple[ReTraceDrafte
         # new weights: the source's recorded rounds no longer describe them (save_pretrained must not carry them)
         drafter.config._name_or_path = drafter.name_or_path = ""  # (transformers 5 keeps both)
         init = f"fine-tuned from {args.init_from}"
+        layers = parse_ids(args.target_layer_ids)
+        if layers and layers != list(drafter.config.target_layer_ids):
+            before = list(drafter.config.target_layer_ids)
+            try:
+                drafter.set_target_layers(layers)
+            except ValueError as error:
+                raise usage_error(f"--target-layer-ids {args.target_layer_ids}: {error}") from None
+            init += f", target layers {before} -> {layers} (zero input columns for the new ones)"
     else:
         config = drafter_config_from_target(
             target.config, num_hidden_layers=args.num_layers, block_size=args.block_size,
