@@ -206,7 +206,8 @@ tap_run() {  # tap_run IDS FLAGS...: one arm of the tapped-layer A/B (issue 36, 
       --eval-max-new-tokens 64 --save-every 100 --keep-checkpoints 2 "$@"
 }
 fresh_tokens() {  # the answers of make_drafter_data.sh's rounds FRESH_FROM (5) on: ones the shipped drafter never saw
-  # (its stage 2 took rounds 0-4 of the same prompt order); complete files only, tokenized into $RUNS/tok-fresh
+  # (its stage 2 took the first five rounds of the same prompt order; by that order, not checked: its prompt ids were
+  # not kept); complete files only, tokenized into $RUNS/tok-fresh
   local files=() f n
   for f in "$DATA"/responses/responses-*.jsonl "$DATA"/responses-w*/responses-*.jsonl; do
     n=$(basename "$f" .jsonl)
