@@ -6,6 +6,7 @@ inside ``dflash_config``, ``dflash_config.mask_token_id`` and ``dflash_config.ta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -23,6 +24,13 @@ def build_target_layer_ids(num_target_layers: int, num_draft_features: int) -> l
     start, end = 1, num_target_layers - 3
     span = end - start
     return [int(round(start + i * span / (num_draft_features - 1))) for i in range(num_draft_features)]
+
+
+def layer_columns(stored: Sequence[int], layers: Sequence[int], hidden_size: int) -> list[slice]:
+    """The columns of each of ``layers`` in the concatenated tapped states of ``stored`` (layer ``stored[k]`` at
+    ``k * hidden_size`` onwards, the drafter's input layout); every one of ``layers`` must be among ``stored``."""
+    stored = list(stored)
+    return [slice(stored.index(i) * hidden_size, (stored.index(i) + 1) * hidden_size) for i in layers]
 
 
 def layers_out_of_range(target_layer_ids: Any, num_layers: int) -> list[int]:

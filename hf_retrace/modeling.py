@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from .configuration import PROPOSAL_MODES, ReTraceConfig
+from .configuration import PROPOSAL_MODES, ReTraceConfig, layer_columns
 from .layers import DrafterLayer, RMSNorm, RotaryEmbedding
 from .retrace import AlignedSuffix, ReTraceFusion
 from .stats import GenerationStats, last_stats_slot
@@ -299,9 +299,9 @@ class ReTraceDrafter(PreTrainedModel):
                              "module is trained on the backbone as it is.")
         h, weight = self.config.hidden_size, self.fc.weight.detach()
         grown = weight.new_zeros(h, len(new) * h)
-        for k, layer in enumerate(old):  # a layer read twice before adds its two column blocks: the same function
-            j = new.index(layer)
-            grown[:, j * h : (j + 1) * h] += weight[:, k * h : (k + 1) * h]
+        # each old layer's block to that layer's place; a layer read twice before adds its two blocks: the same function
+        for block, columns in zip(weight.split(h, dim=1), layer_columns(new, old, h)):
+            grown[:, columns] += block
         self.fc = nn.Linear(len(new) * h, h, bias=False, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.fc.weight.copy_(grown)

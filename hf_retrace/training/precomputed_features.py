@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..atomic import atomic_path, stale_temporaries, write_text_atomically
+from ..configuration import layer_columns
 from .features import collate_sequences, tapped_hidden_states
 
 __all__ = [
@@ -388,8 +389,7 @@ class PrecomputedFeatures:
                              f"(`{STORE_MAKERS['hidden']} --target-layer-ids ...`).")
         if layers == stored:
             return None
-        hidden = int(self.manifest["hidden_size"])
-        return [slice(stored.index(i) * hidden, (stored.index(i) + 1) * hidden) for i in layers]
+        return layer_columns(stored, layers, int(self.manifest["hidden_size"]))
 
     def __len__(self) -> int:
         return int(self._covered)
