@@ -50,7 +50,7 @@ RUN=${RUN:-$RUNS/b8-l1-v8960}
 SEQUENCES=${SEQUENCES:-2048}   # sequences trained on (the features of the first ones are enough to start)
 DATA=${HF_RETRACE_DATA:-$HOME/.cache/hf_retrace_data}
 BTOK=$RUNS/tok-breadth
-BFEATS=$RUNS/feats-breadth
+BFEATS=${BFEATS:-$RUNS/feats-breadth}   # BFEATS and BREADTH_TAPS name another store (stage 4: eight layers)
 STOK=$RUNS/tok-shared
 SFEATS=$RUNS/feats-shared
 mkdir -p "$RUNS"
@@ -118,8 +118,9 @@ breadth_tokens() {  # the tokenized answers alone (what a GPU lease carries: exa
 breadth_data() {
   breadth_tokens
   # --dtype auto: a bf16 forward on a CPU with bf16 units (3.8-4.5x fp32's speed on a Xeon with AMX), fp32 elsewhere
-  hf-retrace data features --target default --data "$BTOK" --out "$BFEATS" --target-layer-ids 1,8,14,20,27 \
-      --dtype auto --storage-dtype bfloat16 --max-batch-tokens 4096 "$@"
+  hf-retrace data features --target default --data "$BTOK" --out "$BFEATS" \
+      --target-layer-ids "${BREADTH_TAPS:-1,8,14,20,27}" --dtype auto --storage-dtype bfloat16 \
+      --max-batch-tokens 4096 "$@"
 }
 precision_flags() {  # the training precision of this CPU, as train flags
   # On a CPU without bf16 units the target runs in float32 (its bf16 weights upcast exactly: the objective reads only
@@ -177,7 +178,11 @@ shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner tra
   # make_drafter_data.sh's), 2 more epochs, a lower peak rate whose cosine ends at 0, both cores; re-run after a kill.
   # INIT=folder starts from another drafter and NAME names the run (stage 3 of the shipped drafter, on 10,861 answers:
   # INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c3 EPOCHS=0.8 ... shape-continue 2 8 --draft-vocab-size 8960;
-  # measured, not shipped: docs/drafter-shapes.md)
+  # measured, not shipped: docs/drafter-shapes.md; stage 4, on all 11,711 answers reading eight layers (2, 15 and
+  # 29 added with zero input columns), after
+  # `BFEATS=$RUNS/feats-breadth8 BREADTH_TAPS=1,2,8,14,15,20,27,29 ... breadth-data`:
+  # the same BFEATS and INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c4 EPOCHS=1 ... shape-continue 2 8
+  # --draft-vocab-size 8960 --target-layer-ids 1,2,8,14,15,20,27,29 --max-minutes 40)
   local layers=$1 block=$2 precision
   shift 2
   read -ra precision <<< "$(precision_flags)"
