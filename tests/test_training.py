@@ -703,3 +703,13 @@ def test_label_cross_entropy_equals_torch_cross_entropy_with_gradients():
         (ours * torch.arange(30)).sum().backward()
         (ref * torch.arange(30)).sum().backward()
         torch.testing.assert_close(rows_a.grad, rows_b.grad)
+
+
+def test_a_model_card_names_two_workers_files_of_one_name_apart():
+    from hf_retrace.training.cli.train_command import source_labels
+
+    paths = ["/data/target/answers.jsonl", "/data/responses/responses-00000.jsonl",
+             "/data/responses-w1/responses-00000.jsonl", "/data/responses/responses-00001.jsonl"]
+    assert source_labels(paths) == ["answers.jsonl", "responses/responses-00000.jsonl",
+                                    "responses-w1/responses-00000.jsonl", "responses-00001.jsonl"]
+    assert source_labels([]) == []

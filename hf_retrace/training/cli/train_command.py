@@ -50,7 +50,7 @@ from ..precomputed_features import PrecomputedFeatures, covered_sequences, featu
 from ..retrace_stage import ReTraceObjective
 from ..trainer import ADAMW_BETAS, Trainer, TrainingArguments, backbone_parameters, retrace_parameters
 
-__all__ = ["cmd_train"]
+__all__ = ["cmd_train", "source_labels"]
 
 SUMMARY_FILE = "training_summary.json"
 
@@ -244,6 +244,13 @@ def _final_evaluation(trainer: Trainer, steps: int, num_prompts: int) -> dict[st
     return final_eval
 
 
+def source_labels(paths: list[str]) -> list[str]:
+    """Each data source by its file name, with its folder where two sources share a name (``responses/...`` and
+    ``responses-w1/...`` of two workers): what a model card says without a machine's paths."""
+    names = [Path(path).name for path in paths]
+    return [name if names.count(name) == 1 else f"{Path(path).parent.name}/{name}" for path, name in zip(paths, names)]
+
+
 def _card_info(args: argparse.Namespace, manifest: dict[str, Any], target_path: str, drafter: ReTraceDrafter,
                init: str, mode: str, acc: Any, num_sequences: int, summary: dict[str, Any],
                final_eval: dict[str, Any]) -> dict[str, Any]:
@@ -256,7 +263,7 @@ def _card_info(args: argparse.Namespace, manifest: dict[str, Any], target_path: 
         "target_hub_id": target_hub_id(target_path),
         "data": f"{Path(args.data).name} ({manifest.get('num_sequences')} sequences, "
                 f"{manifest.get('num_response_tokens')} response tokens; sources: "
-                + ", ".join(Path(s['path']).name for s in manifest.get("sources", [])) + ")",
+                + ", ".join(source_labels([s["path"] for s in manifest.get("sources", [])])) + ")",
         "num_sequences": num_sequences,
         "tokens": summary["tokens"], "labels": summary["labels"], "steps": summary["steps"],
         "time": f"{summary['seconds'] / 60:.1f} min of training ({summary['seconds'] / 3600:.2f} h)",
