@@ -3,8 +3,10 @@ METHOD row and their difference prompt by prompt, with its standard error.
 
 Eight prompts a set give a set's mean τ a standard error of about 0.1 (prompts differ far more than drafters do), but
 both drafters meet the same prompts, so the per-prompt difference is what tells them apart: its standard error was
-0.01-0.04 on the dev sets (2026-12-06, stage 3 against stage 2). Requests are paired by (prompt id, turn, seed); those
-in one report only are counted and left out.
+0.01-0.04 on the dev sets for two close drafters (stage 3 against stage 2) and 0.03-0.09 for stage 4 against stage 2,
+where in bf16 each drafter's text parts from plain's at its own near-tie and the pair is scored on partly different
+texts. Requests are paired by (prompt id, turn, seed), never by their order; those in one report only are counted and
+left out (MT-Bench's two turns of one prompt count as two pairs).
 
     hf-retrace bench ... --methods default,dflash-full-block --drafter NEW --json new.json
     hf-retrace bench ... --methods default,dflash-full-block --json old.json

@@ -33,7 +33,8 @@ def test_the_difference_is_taken_prompt_by_prompt(tmp_path):
     # b is a + 0.1 on every shared prompt, though the prompts themselves differ by a whole token of tau: the paired
     # difference is exact with no spread, where the means' own spread is large
     a = _report(tmp_path / "a.json", {("p1", 0): 2.0, ("p2", 0): 3.0, ("p2", 1): 1.5, ("p3", 0): 2.5, ("p4", 0): None})
-    b = _report(tmp_path / "b.json", {("p1", 0): 2.1, ("p2", 0): 3.1, ("p2", 1): 1.6, ("p5", 0): 9.0})
+    # b lists its requests in another order: pairing by position instead of by (prompt, turn, seed) fails this
+    b = _report(tmp_path / "b.json", {("p2", 1): 1.6, ("p5", 0): 9.0, ("p1", 0): 2.1, ("p2", 0): 3.1})
     out = tmp_path / "t.json"
     done = _run(a, b, "--json", out)
     assert done.returncode == 0, done.stderr
