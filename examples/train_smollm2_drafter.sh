@@ -49,10 +49,10 @@ FEATS=$RUNS/feats5
 RUN=${RUN:-$RUNS/b8-l1-v8960}
 SEQUENCES=${SEQUENCES:-2048}   # sequences trained on (the features of the first ones are enough to start)
 DATA=${HF_RETRACE_DATA:-$HOME/.cache/hf_retrace_data}
-BTOK=$RUNS/tok-breadth
+BTOK=${BTOK:-$RUNS/tok-breadth}   # shape-continue on another tokenized folder (BTOK=$RUNS/tok-shared)
 BFEATS=${BFEATS:-$RUNS/feats-breadth}   # BFEATS and BREADTH_TAPS name another store (stage 4: eight layers)
 STOK=$RUNS/tok-shared
-SFEATS=$RUNS/feats-shared
+SFEATS=${SFEATS:-$RUNS/feats-shared}   # SFEATS and SHARED_TAPS likewise (stage 4 on the shipped answers alone)
 mkdir -p "$RUNS"
 
 tokenize() {
@@ -155,7 +155,7 @@ shared_data() {
   : "${HF_RETRACE_TARGET_ANSWERS:?set it to the JSONL of the shipped answers of the target}"
   hf-retrace data tokenize --target default --responses "$HF_RETRACE_TARGET_ANSWERS" --out "$STOK" --max-length 1024 \
       --exclude-ids "$DATA/round-record-prompts.jsonl"
-  hf-retrace data features --target default --data "$STOK" --out "$SFEATS" --target-layer-ids 1,8,14,20,27 \
+  hf-retrace data features --target default --data "$STOK" --out "$SFEATS" --target-layer-ids "${SHARED_TAPS:-1,8,14,20,27}" \
       --dtype auto --storage-dtype bfloat16 --max-batch-tokens 4096 "$@"
 }
 shape_run() {  # shape_run LAYERS BLOCK GAMMA FLAGS...: one arm of the shape A/B, from scratch, RUN=$RUNS/shape-lL-bB

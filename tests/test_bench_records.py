@@ -14,12 +14,16 @@ from hf_retrace.bench.records import BenchRow, RequestDivergence, report_rows
 from hf_retrace.bench.report import markdown_report
 
 DOCS_BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
-PUBLISHED = sorted([*DOCS_BENCH.rglob("*.json"), *DOCS_BENCH.rglob("*.json.gz")])
+EVERY_JSON = sorted([*DOCS_BENCH.rglob("*.json"), *DOCS_BENCH.rglob("*.json.gz")])
+PAIRED_TABLE_KEYS = {"method", "temperature", "a", "b", "sets"}  # examples/paired_tau.py --json: not a bench report
 NEWER_FIELDS = ("mean_draft_length", "lookup_round_share", "policy", "guard_plain_steps")  # absent from reports written before they existed
 
 
 def _report(path: Path) -> dict:
     return json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
+
+
+PUBLISHED = [p for p in EVERY_JSON if set(_report(p)) != PAIRED_TABLE_KEYS]  # every bench report
 
 
 PUBLISHED_WITH_EVERY_FIELD = [p for p in PUBLISHED if all(f in _report(p)["rows"][0] for f in NEWER_FIELDS)]
@@ -33,6 +37,17 @@ def _a_current_row() -> dict:
                            "method_token": 6, "top2_gap": 0.0625, "chosen_gap": 0.0625, "logit_magnitude": 10.0,
                            "bf16_ulp": 0.0625, "verdict": "near-tie"}]
     return row
+
+
+def test_every_json_under_docs_bench_is_a_report_or_a_paired_table():
+    """A file of neither kind would leave the report tests silently; a paired table is read as one here."""
+    tables = [p for p in EVERY_JSON if p not in PUBLISHED]
+    assert tables, "no paired_tau table under docs/bench (the split below would test nothing)"
+    for path in tables:
+        for name, row in _report(path)["sets"].items():
+            assert {"pairs", "tau_a", "tau_b", "diff", "se"} <= set(row), (path, name)
+    for path in PUBLISHED:
+        assert {"schema_version", "settings", "rows"} <= set(_report(path)), f"{path} is neither a report nor a table"
 
 
 def test_docs_hold_published_reports_of_both_ages():
