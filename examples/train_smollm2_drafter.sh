@@ -182,7 +182,10 @@ shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner tra
   # 29 added with zero input columns), after
   # `BFEATS=$RUNS/feats-breadth8 BREADTH_TAPS=1,2,8,14,15,20,27,29 ... breadth-data`:
   # the same BFEATS and INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c4 EPOCHS=1 ... shape-continue 2 8
-  # --draft-vocab-size 8960 --target-layer-ids 1,2,8,14,15,20,27,29 --max-minutes 40)
+  # --draft-vocab-size 8960 --target-layer-ids 1,2,8,14,15,20,27,29 --max-minutes 40; its layers without its
+  # answers, on the shipped 5,014 after `SFEATS=$RUNS/feats-shared8 SHARED_TAPS=1,2,8,14,15,20,27,29 ... shared-data`:
+  # BTOK=$RUNS/tok-shared BFEATS=$RUNS/feats-shared8 INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c4s8 EPOCHS=2
+  # THREADS=1 ... shape-continue 2 8 --target-layer-ids IDS --max-minutes 40, arms side by side: docs/drafter-shapes.md)
   local layers=$1 block=$2 precision
   shift 2
   read -ra precision <<< "$(precision_flags)"

@@ -11,10 +11,10 @@ from typing import Any
 
 from ..stats import GenerationStats, speedup_over_plain, tokens_per_second_of
 from .loop import TurnResult
-from .methods import Method
+from .methods import ALL_METHODS, Method
 from .records import BenchRow, RequestDivergence, RequestSummary
 
-__all__ = ["lossless_summary", "summarize"]
+__all__ = ["bugs_by_kind", "lossless_summary", "summarize"]
 
 
 def summarize(dataset: str, turns: list[TurnResult], method: Method, plain_seconds_per_token: float | None,
@@ -121,3 +121,15 @@ def lossless_summary(rows: list[BenchRow]) -> dict[str, int]:
         "mismatch_bugs": sum(r.mismatch_bugs or 0 for r in rows),
         "mismatch_near_ties": sum(r.mismatch_near_ties or 0 for r in rows),
     }
+
+
+def bugs_by_kind(rows: list[BenchRow]) -> tuple[int, int]:
+    """T=0 partings from plain beyond a near-tie: (in methods that draft, in plain decoding on other kernels).
+
+    The second kind drafts nothing (``plain-no-onednn``): its partings measure how far this machine's kernels alone move
+    a bf16 greedy output, so they are never a losslessness bug, and a drafting method's parting of that size is numerics
+    until float32 says otherwise (``examples/check_flagged.py`` in the repository)."""
+    counts = [0, 0]
+    for row in rows:
+        counts[row.method in ALL_METHODS and ALL_METHODS[row.method].decodes_plainly] += row.mismatch_bugs or 0
+    return counts[0], counts[1]
