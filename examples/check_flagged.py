@@ -1,10 +1,10 @@
 """Re-check a bf16 benchmark request flagged "bug" (a parting from plain `generate` wider than NEAR_TIE_ULPS bf16 ulps)
-in float32, where the lossless rule is exact: plain greedy `generate` against the same call with the drafter, in full
-blocks and under the default policy. Identical outputs mean the bf16 parting was the kernels' rounding (a many-token
+in float32 (first turns), where the lossless rule is exact: plain greedy `generate` against the same call with the
+drafter, in full blocks and under the default policy. Identical outputs mean the bf16 parting was the kernels' rounding (a many-token
 verify and a one-token step sum in different orders), not the drafting.
 
     python examples/check_flagged.py --dataset math500 --prompt-id test/intermediate_algebra/1197.json \
-        [--drafter FOLDER] [--turn 0] [--max-new-tokens 128]
+        [--drafter FOLDER] [--max-new-tokens 128]
 
 It also says whether plain bf16 decoding parts from itself with oneDNN's matmuls off (the bench's `plain-no-onednn`):
 kernels alone moving a greedy output.
@@ -25,12 +25,9 @@ parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
 parser.add_argument("--dataset", required=True)
 parser.add_argument("--prompt-id", required=True)
 parser.add_argument("--drafter", default=None, help="a drafter folder (default: the shipped drafter)")
-parser.add_argument("--turn", type=int, default=0, help="first turns only: 0")
 parser.add_argument("--max-new-tokens", type=int, default=128)
 parser.add_argument("--limit", type=int, default=8, help="the bench's --limit (which prompts were loaded)")
 args = parser.parse_args()
-if args.turn != 0:
-    raise SystemExit("check_flagged: only first turns (--turn 0) are rebuilt here; a second turn needs the first answer.")
 
 torch.set_num_threads(2)
 prompts = load_prompts(args.dataset, limit=args.limit)

@@ -1,5 +1,6 @@
 """examples/check_flagged.py: a bf16 request flagged "bug" re-checked in float32 on the real default target and the
-shipped drafter (a few tokens here), and a prompt id the set lacks refused with the ids it has."""
+shipped drafter (40 tokens: past its bf16 parting at token 31), and a prompt id the set lacks refused with the ids it
+has."""
 
 import subprocess
 import sys
@@ -13,7 +14,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_flagged_request_is_rechecked_in_float32():
-    done = _run("--dataset", "math500", "--prompt-id", "test/intermediate_algebra/1197.json", "--max-new-tokens", "12")
+    done = _run("--dataset", "math500", "--prompt-id", "test/intermediate_algebra/1197.json", "--max-new-tokens", "40")
     assert done.returncode == 0, done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith("float32")]
     assert len(lines) == 2 and all(line.endswith("token for token: True") for line in lines), done.stdout

@@ -12,8 +12,6 @@ from ..loading import add_device_arguments, dtype_arg
 from .datasets import DATASETS
 from .methods import ALL_METHODS, DEFAULT_METHODS, MAIN_DRAFTER, OWN_DRAFTER_NAMES
 from .plan import BenchInputError, BenchSpec, plan_benchmark
-from .records import report_rows
-from .summary import bugs_by_kind
 
 EPILOG = """\
 examples:
@@ -115,7 +113,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         for path in write_plots(report, args.plots):
             print(f"[hf-retrace bench] wrote {path}", file=sys.stderr)
     print(markdown_report(report))
-    bugs, kernel_partings = bugs_by_kind(report_rows(report))
+    bugs, kernel_partings = report["lossless"]["mismatch_bugs"], report["lossless"]["kernel_partings"]
     if kernel_partings:
         print(f"[hf-retrace bench] plain decoding with oneDNN off parted from plain generate beyond a near-tie "
               f"{kernel_partings} time(s), drafting nothing: this machine's kernels alone move bf16 greedy outputs that "

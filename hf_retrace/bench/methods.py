@@ -9,7 +9,8 @@ from typing import Any
 from ..configuration import RETRACE_ABLATIONS
 from ..generation.policy import RoundPolicy, shipped_policy
 
-__all__ = ["ALL_METHODS", "DEFAULT_METHODS", "MAIN_DRAFTER", "OWN_DRAFTER_NAMES", "PROMPT_LOOKUP_NUM_TOKENS", "Method"]
+__all__ = ["ALL_METHODS", "DEFAULT_METHODS", "MAIN_DRAFTER", "OWN_DRAFTER_NAMES", "PROMPT_LOOKUP_NUM_TOKENS", "Method",
+           "drafts_nothing"]
 
 PROMPT_LOOKUP_NUM_TOKENS = 10
 STATIC_CUTS = (None, 0.3, 0.5, 0.65)  # the small static grid the tuned default is checked against
@@ -136,3 +137,10 @@ DEFAULT_METHODS = ("plain", "prompt-lookup", "default", "shipped", "dflash")
 # the NAMEs of --drafter NAME=PATH: a drafting method, or an ablation (its own drafter for retrace-ABLATION)
 OWN_DRAFTER_NAMES = frozenset([*[n for n, m in ALL_METHODS.items() if m.needs_drafter],
                                *[a for a in RETRACE_ABLATIONS if a != "full"]])
+
+
+def drafts_nothing(method_name: str) -> bool:
+    """Whether a report row's method decodes plainly (the reference, or plain decoding on other kernels): its partings
+    from plain are the kernels', never a losslessness bug."""
+    method = ALL_METHODS.get(method_name)
+    return method is not None and method.decodes_plainly

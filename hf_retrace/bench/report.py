@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from .methods import drafts_nothing
 from .records import BenchRow, report_rows
 
 __all__ = ["markdown_report", "write_json", "write_markdown", "write_plots"]
@@ -27,7 +28,8 @@ def _mismatch_cell(row: BenchRow) -> str:
         return "reference"
     cell = f"{row.mismatches}/{row.compared_requests}"
     if row.mismatches:
-        cell += f" ({row.mismatch_bugs} bug, {row.mismatch_near_ties} near-tie)"
+        wide = "kernel parting" if drafts_nothing(row.method) else "bug"  # plain decoding on other kernels
+        cell += f" ({row.mismatch_bugs} {wide}, {row.mismatch_near_ties} near-tie)"
     if row.uncompared_requests:
         cell += f", {row.uncompared_requests} not comparable"
     return cell

@@ -11,10 +11,10 @@ from typing import Any
 
 from ..stats import GenerationStats, speedup_over_plain, tokens_per_second_of
 from .loop import TurnResult
-from .methods import ALL_METHODS, Method
+from .methods import Method, drafts_nothing
 from .records import BenchRow, RequestDivergence, RequestSummary
 
-__all__ = ["bugs_by_kind", "lossless_summary", "summarize"]
+__all__ = ["lossless_summary", "summarize"]
 
 
 def summarize(dataset: str, turns: list[TurnResult], method: Method, plain_seconds_per_token: float | None,
@@ -114,22 +114,16 @@ def _losslessness(turns: list[TurnResult], temperature: float) -> dict[str, Any]
 
 
 def lossless_summary(rows: list[BenchRow]) -> dict[str, int]:
-    """The report's losslessness totals over every row."""
+    """The report's losslessness totals over every row.
+
+    ``mismatch_bugs`` counts the T=0 partings beyond a near-tie of the methods that draft; those of plain decoding on
+    other kernels (``plain-no-onednn``, drafting nothing) are ``kernel_partings``: how far this machine's kernels alone
+    move a bf16 greedy output, never a losslessness bug. A drafting method's parting of that size is numerics only once
+    float32 says so (``examples/check_flagged.py`` in the repository)."""
     return {
         "compared_requests": sum(r.compared_requests for r in rows),
         "mismatches": sum(r.mismatches or 0 for r in rows),
-        "mismatch_bugs": sum(r.mismatch_bugs or 0 for r in rows),
+        "mismatch_bugs": sum(r.mismatch_bugs or 0 for r in rows if not drafts_nothing(r.method)),
+        "kernel_partings": sum(r.mismatch_bugs or 0 for r in rows if drafts_nothing(r.method)),
         "mismatch_near_ties": sum(r.mismatch_near_ties or 0 for r in rows),
     }
-
-
-def bugs_by_kind(rows: list[BenchRow]) -> tuple[int, int]:
-    """T=0 partings from plain beyond a near-tie: (in methods that draft, in plain decoding on other kernels).
-
-    The second kind drafts nothing (``plain-no-onednn``): its partings measure how far this machine's kernels alone move
-    a bf16 greedy output, so they are never a losslessness bug, and a drafting method's parting of that size is numerics
-    until float32 says otherwise (``examples/check_flagged.py`` in the repository)."""
-    counts = [0, 0]
-    for row in rows:
-        counts[row.method in ALL_METHODS and ALL_METHODS[row.method].decodes_plainly] += row.mismatch_bugs or 0
-    return counts[0], counts[1]
