@@ -185,7 +185,11 @@ shape_continue() {  # shape_continue LAYERS BLOCK FLAGS...: the A/B's winner tra
   # --draft-vocab-size 8960 --target-layer-ids 1,2,8,14,15,20,27,29 --max-minutes 40; its layers without its
   # answers, on the shipped 5,014 after `SFEATS=$RUNS/feats-shared8 SHARED_TAPS=1,2,8,14,15,20,27,29 ... shared-data`:
   # BTOK=$RUNS/tok-shared BFEATS=$RUNS/feats-shared8 INIT=hf_retrace/default_drafter NAME=shape-l2-b8-c4s8 EPOCHS=2
-  # THREADS=1 ... shape-continue 2 8 --target-layer-ids IDS --max-minutes 40, arms side by side: docs/drafter-shapes.md)
+  # THREADS=1 ... shape-continue 2 8 --target-layer-ids IDS --max-minutes 40, arms side by side: docs/drafter-shapes.md;
+  # stage 5, stage 4's answers read through five layers or eight, arms side by side on one store (`cp -al` of the
+  # shipped answers' feats-shared8 keeps their shards): BFEATS=$RUNS/feats-breadth8 INIT=hf_retrace/default_drafter
+  # NAME=shape-l2-b8-c5t5 (c5t8) EPOCHS=1 THREADS=1 ... shape-continue 2 8 --draft-vocab-size 8960 --target-layer-ids IDS
+  # --max-minutes 40)
   local layers=$1 block=$2 precision
   shift 2
   read -ra precision <<< "$(precision_flags)"
